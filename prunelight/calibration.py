@@ -1,0 +1,90 @@
+"""The calibration pass: run batches through the model so a criterion's hooks can score every unit.
+
+Weights are frozen for the pass and only the input embeddings are made to require grad, so the
+backward pass computes activation gradients and no weight gradient is ever allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prunelight.adapters import unwrap
+from prunelight.importance.base import KINDS, Criterion, UnitScores
+
+
+def calibration_loss(logits: torch.Tensor, input_ids: torch.Tensor, objective: str = "lm") -> torch.Tensor:
+    """Sum over samples of each sample's mean loss, in fp32.
+
+    Summing (not averaging) over the batch makes a sample's gradient independent of how samples
+    are batched or split across processes, so per-unit statistics add up exactly across ranks.
+    """
+    logits = logits.float()
+    if objective == "lm":
+        nll = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none"
+        )
+        return nll.view(input_ids.shape[0], -1).mean(1).sum()
+    if objective == "entropy":
+        logp = F.log_softmax(logits, dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)  # [batch, tokens]
+        return ent.mean(1).sum()
+    raise ValueError(f"unknown calibration objective {objective!r}; use 'lm' or 'entropy'")
+
+
+def _check_finite(criterion: Criterion, batch_idx: int) -> None:
+    for kind in KINDS:
+        for layer, t in enumerate(criterion.stats[kind]):
+            if not torch.isfinite(t).all():
+                raise FloatingPointError(
+                    f"non-finite importance statistics ({kind}, layer {layer}) after calibration batch {batch_idx}: "
+                    "the gradients are NaN/inf; check the model dtype (use fp32 or bf16, not fp16) and the data"
+                )
+
+
+def run_calibration(
+    model: nn.Module,
+    batches: Iterable[torch.Tensor],
+    criterion: Criterion,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    max_batches: int | None = None,
+) -> UnitScores:
+    """Accumulate `criterion` over `batches` (input_ids tensors), sum across ranks, return unit scores."""
+    base = unwrap(model)
+    criterion.attach(base)
+    if criterion.needs_data:
+        device = next(base.parameters()).device
+        was_training = base.training
+        saved = [(p, p.requires_grad) for p in base.parameters()]
+        for p, _ in saved:
+            p.requires_grad_(False)
+        handle = base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
+        base.eval()
+        try:
+            for b, input_ids in enumerate(batches):
+                if max_batches is not None and b >= max_batches:
+                    break
+                input_ids = input_ids.to(device)
+                with torch.set_grad_enabled(criterion.needs_backward):
+                    logits = base(input_ids=input_ids, use_cache=False).logits
+                    if criterion.needs_backward:
+                        loss = calibration_loss(logits, input_ids, criterion.loss)
+                        if not torch.isfinite(loss):
+                            raise FloatingPointError(f"calibration loss is {loss.item()} on batch {b}")
+                        loss.backward()
+                criterion.num_samples += input_ids.shape[0]
+                _check_finite(criterion, b)
+        finally:
+            handle.remove()
+            criterion.detach()
+            for p, flag in saved:
+                p.requires_grad_(flag)
+            base.train(was_training)
+        if criterion.num_samples == 0:
+            raise ValueError("calibration saw no batches: the calibration dataset is empty")
+    if reduce_sum is not None:
+        criterion.all_reduce(reduce_sum)
+    return criterion.scores(base)

@@ -1,0 +1,157 @@
+"""PruningCallback: calibrate, score, allocate and cut at a chosen step, then hand over to recovery."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+import torch
+
+from prunelight.allocation import ALLOCATIONS, allocate, count_params, validate_ratio
+from prunelight.calibration import run_calibration
+from prunelight.importance import CRITERIA, build_criterion
+from prunelight.perplexity import evaluate_perplexity
+
+log = logging.getLogger(__name__)
+
+
+class PruningCallback(L.Callback):
+    """Removes whole GQA groups and MLP channels once, at `prune_step`, so that `ratio` of the parameters is gone.
+
+    Calibration runs the datamodule's calibration samples through the model with the criterion's
+    hooks (each rank its share; statistics summed across ranks), the allocation turns scores into a
+    plan, the module cuts itself, and the optimizer is rebuilt for recovery.
+    """
+
+    def __init__(
+        self,
+        ratio: float = 0.2,
+        criterion: str = "taylor",
+        criterion_args: dict | None = None,
+        allocation: str = "global",
+        prune_step: int = 0,
+        min_groups: int = 1,
+        min_channels: int = 1,
+        max_calibration_batches: int | None = None,
+        evaluate: bool = True,
+        max_eval_batches: int | None = None,
+    ) -> None:
+        super().__init__()
+        validate_ratio(ratio)  # bad values fail before any model is loaded
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown importance criterion {criterion!r}; available: {', '.join(sorted(CRITERIA))}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
+        if prune_step < 0:
+            raise ValueError(f"prune_step must be >= 0, got {prune_step}")
+        self.ratio, self.criterion, self.criterion_args = ratio, criterion, dict(criterion_args or {})
+        self.allocation, self.prune_step = allocation, prune_step
+        self.min_groups, self.min_channels = min_groups, min_channels
+        self.max_calibration_batches = max_calibration_batches
+        self.evaluate, self.max_eval_batches = evaluate, max_eval_batches
+        self.pruned = False
+
+    # --- Lightning hooks ------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        if trainer.fast_dev_run:
+            # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
+            self.prune_step, self.max_calibration_batches, self.max_eval_batches = 0, 1, 1
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if not self.pruned and trainer.global_step >= self.prune_step:
+            self.prune(trainer, pl_module)
+
+    def state_dict(self) -> dict:
+        return {"pruned": self.pruned}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.pruned = bool(state_dict.get("pruned", False))
+
+    # --- the cut --------------------------------------------------------------------------------
+    def _eval_ppl(self, trainer, pl_module) -> dict | None:
+        dm = trainer.datamodule
+        if not self.evaluate or dm is None:
+            return None
+        return evaluate_perplexity(pl_module.model, dm.eval_dataloader(), self.max_eval_batches)
+
+    def prune(self, trainer: L.Trainer, pl_module) -> None:
+        """Calibrate, score, allocate, cut, and rebuild the optimizer for recovery."""
+        report = pl_module.run_report
+        times = report.setdefault("times_s", {})
+        dm = trainer.datamodule
+        base = pl_module.base_model
+        params_before = count_params(base)
+
+        t0 = time.perf_counter()
+        ppl_dense = self._eval_ppl(trainer, pl_module)
+        times["eval_dense"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        crit = build_criterion(self.criterion, **self.criterion_args)
+        batches = dm.calibration_batches(trainer.global_rank, trainer.world_size) if crit.needs_data else []
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            return trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum")
+
+        scores = run_calibration(base, batches, crit, reduce_sum=reduce_sum, max_batches=self.max_calibration_batches)
+        times["calibration"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        plan = allocate(base, scores, self.ratio, self.allocation, self.min_groups, self.min_channels)
+        plan.meta.update(criterion=self.criterion, criterion_args=self.criterion_args, samples=crit.num_samples)
+        times["allocation"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        pl_module.apply_plan(plan)
+        times["surgery"] = time.perf_counter() - t0
+        self.pruned = True
+
+        t0 = time.perf_counter()
+        ppl_pruned = self._eval_ppl(trainer, pl_module)
+        times["eval_pruned"] = time.perf_counter() - t0
+
+        pl_module.start_recovery()
+        _rebuild_training_state(trainer, pl_module)
+
+        report["params_before"] = params_before
+        report["params_after"] = count_params(pl_module.base_model)
+        report["plan"] = plan.meta
+        report["calibration"] = {
+            "criterion": self.criterion,
+            "allocation": self.allocation,
+            "ratio": self.ratio,
+            "samples": crit.num_samples,
+            "seq_len": getattr(dm, "seq_len", None),
+            "source": dm.calibration.describe() if dm is not None else None,
+            "seed": getattr(dm, "seed", None),
+            "prune_step": trainer.global_step,
+        }
+        report.setdefault("ppl", {})
+        report.setdefault("ppl_detail", {})
+        for name, res in (("dense", ppl_dense), ("pruned", ppl_pruned)):
+            if res is not None:
+                report["ppl"][name] = res["ppl"]
+                report["ppl_detail"][name] = res
+        report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
+        removed = plan.meta["params_removed"]
+        log.info(
+            "pruned %s params (%.1f%% of the model) with %s/%s; ppl dense %s -> pruned %s",
+            f"{removed:,}",
+            100 * plan.meta["removed_fraction_total"],
+            self.criterion,
+            self.allocation,
+            ppl_dense and round(ppl_dense["ppl"], 2),
+            ppl_pruned and round(ppl_pruned["ppl"], 2),
+        )
+
+
+def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
+    """After parameters changed: re-wrap for data parallel and rebuild optimizers and schedulers."""
+    strategy = trainer.strategy
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if isinstance(strategy, DDPStrategy):
+        # DDP caches the parameter list; wrap the cut module afresh.
+        strategy.model = strategy._setup_model(strategy.precision_plugin.convert_module(pl_module))
+    strategy.setup_optimizers(trainer)

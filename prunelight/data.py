@@ -1,0 +1,244 @@
+"""Text data: calibration samples, recovery training blocks and evaluation blocks from local files or the hub."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TextSource:
+    """Where text comes from: local `path` (file, folder or glob of .txt/.jsonl) or a hub `dataset`."""
+
+    path: str | None = None
+    dataset: str | None = None
+    name: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    max_tokens: int | None = None  # stop reading once this many tokens are available
+
+    def describe(self) -> str:
+        """Short human-readable identity for reports."""
+        if self.path:
+            return self.path
+        return f"{self.dataset}{'/' + self.name if self.name else ''}:{self.split}"
+
+    def files(self) -> list[Path]:
+        """Resolved local files (sorted); a clear error when nothing matches."""
+        if not self.path:
+            return []
+        p = Path(self.path).expanduser()
+        if p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".jsonl"))
+        elif any(c in self.path for c in "*?["):
+            files = sorted(Path(f) for f in glob.glob(str(p)))
+        else:
+            files = [p] if p.exists() else []
+        if not files:
+            raise FileNotFoundError(f"no text files found at {self.path!r} (expected a .txt/.jsonl file, folder or glob)")
+        return files
+
+    def lines(self) -> list[str]:
+        """The text as a list of documents/lines."""
+        if self.path:
+            out: list[str] = []
+            for f in self.files():
+                if f.suffix == ".jsonl":
+                    with open(f, encoding="utf-8") as fh:
+                        out.extend(json.loads(line)[self.text_field] for line in fh if line.strip())
+                else:
+                    out.extend(f.read_text(encoding="utf-8").splitlines())
+            return out
+        if self.dataset:
+            from datasets import load_dataset
+
+            ds = load_dataset(self.dataset, self.name, split=self.split)
+            return list(ds[self.text_field])
+        raise ValueError("a text source needs either `path` (local files) or `dataset` (hub id)")
+
+
+def tokenize_source(tokenizer, source: TextSource, chunk_lines: int = 2000) -> torch.Tensor:
+    """One long stream of token ids; documents are joined by blank lines, as in the usual WikiText protocol."""
+    lines = source.lines()
+    ids: list[int] = []
+    for start in range(0, len(lines), chunk_lines):
+        text = "\n".join(lines[start : start + chunk_lines])
+        if start:
+            text = "\n" + text
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if source.max_tokens and len(ids) >= source.max_tokens:
+            ids = ids[: source.max_tokens]
+            break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def overlap_fraction(a: list[str], b: list[str], min_chars: int = 40) -> tuple[float, int]:
+    """Fraction (and count) of b's substantial lines that also occur in a; exact-match on stripped text."""
+    def keys(lines):
+        return {hashlib.sha1(s.encode()).hexdigest() for s in (x.strip() for x in lines) if len(s) >= min_chars}
+
+    kb = keys(b)
+    if not kb:
+        return 0.0, 0
+    shared = len(keys(a) & kb)
+    return shared / len(kb), shared
+
+
+class BlockDataset(Dataset):
+    """Fixed-length blocks of a token stream."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.blocks[i]
+
+
+def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Non-overlapping [n, seq_len] blocks; the tail shorter than seq_len is dropped."""
+    n = ids.numel() // seq_len
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`num_samples` random windows of `seq_len` tokens, reproducible under `seed`."""
+    if ids.numel() < seq_len + 1:
+        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than seq_len={seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+
+
+class PruneDataModule(L.LightningDataModule):
+    """Calibration, recovery-training and evaluation data for one prune-and-recover run."""
+
+    def __init__(
+        self,
+        calibration: TextSource,
+        eval: TextSource,
+        train: TextSource | None = None,
+        tokenizer: str | None = None,
+        num_samples: int = 128,
+        seq_len: int = 128,
+        eval_seq_len: int | None = None,
+        batch_size: int = 8,
+        calibration_batch_size: int | None = None,
+        eval_batch_size: int | None = None,
+        max_eval_blocks: int | None = None,
+        seed: int = 0,
+        allow_overlap: bool = False,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_samples <= 0 or seq_len <= 1:
+            raise ValueError(f"num_samples must be > 0 and seq_len > 1, got num_samples={num_samples}, seq_len={seq_len}")
+        self.calibration, self.eval, self.train = calibration, eval, train
+        self.tokenizer_path = tokenizer
+        self.tokenizer = None
+        self.num_samples, self.seq_len = num_samples, seq_len
+        self.eval_seq_len = eval_seq_len or seq_len
+        self.batch_size = batch_size
+        self.calibration_batch_size = calibration_batch_size or batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.max_eval_blocks = max_eval_blocks
+        self.seed, self.allow_overlap, self.num_workers = seed, allow_overlap, num_workers
+        self.calib_blocks = self.train_blocks = self.eval_blocks = None
+        self.overlap: dict = {}
+
+    # --- preparation ------------------------------------------------------------------------
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use an already-loaded tokenizer (tests, or the module's own)."""
+        self.tokenizer = tokenizer
+
+    def _load_tokenizer(self):
+        if self.tokenizer is None:
+            if not self.tokenizer_path:
+                raise ValueError("PruneDataModule needs `tokenizer` (a hub id or local folder)")
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self.tokenizer
+
+    def check_context(self, max_positions: int | None) -> None:
+        """Refuse sequence lengths beyond the model's context window."""
+        for name, n in (("seq_len", self.seq_len), ("eval_seq_len", self.eval_seq_len)):
+            if max_positions and n > max_positions:
+                raise ValueError(f"{name}={n} exceeds the model's context (max_position_embeddings={max_positions})")
+
+    def _check_overlap(self) -> None:
+        same = {s.describe() for s in (self.calibration, self.train) if s is not None} & {self.eval.describe()}
+        frac_c, n_c = overlap_fraction(self.calibration.lines(), self.eval.lines())
+        frac_t, n_t = overlap_fraction(self.train.lines(), self.eval.lines()) if self.train else (0.0, 0)
+        self.overlap = {
+            "calibration_eval_shared_lines": n_c,
+            "calibration_eval_fraction": frac_c,
+            "train_eval_shared_lines": n_t,
+            "train_eval_fraction": frac_t,
+            "same_source": sorted(same),
+        }
+        bad = same or frac_c > 0.01 or frac_t > 0.01
+        if bad and not self.allow_overlap:
+            raise ValueError(
+                "calibration/training text overlaps the evaluation text "
+                f"(same source: {sorted(same) or 'no'}; {n_c} calibration and {n_t} training lines also in eval): "
+                "perplexity would be optimistic. Use a different split, or set data.allow_overlap=true to proceed anyway"
+            )
+        if bad:
+            log.warning("OVERLAP between calibration/training and evaluation text: %s", self.overlap)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Tokenize and block all splits (once)."""
+        if self.eval_blocks is not None:
+            return
+        tok = self._load_tokenizer()
+        self._check_overlap()
+        calib_ids = tokenize_source(tok, self.calibration)
+        self.calib_blocks = sample_windows(calib_ids, self.num_samples, self.seq_len, self.seed)
+        self.eval_blocks = pack_blocks(tokenize_source(tok, self.eval), self.eval_seq_len)
+        if self.max_eval_blocks:
+            self.eval_blocks = self.eval_blocks[: self.max_eval_blocks]
+        if len(self.eval_blocks) == 0:
+            raise ValueError(f"evaluation text {self.eval.describe()} is shorter than eval_seq_len={self.eval_seq_len}")
+        train_ids = tokenize_source(tok, self.train) if self.train else calib_ids
+        self.train_blocks = pack_blocks(train_ids, self.seq_len)
+
+    # --- loaders ----------------------------------------------------------------------------
+    def calibration_batches(self, rank: int = 0, world_size: int = 1) -> list[torch.Tensor]:
+        """This rank's share of the calibration samples (every world_size-th), in fixed-size batches.
+
+        Statistics are sums over samples, so the shares of all ranks add up to the one-process result.
+        """
+        mine = self.calib_blocks[rank::world_size]
+        return list(torch.split(mine, self.calibration_batch_size))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_blocks, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.eval_blocks, self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def eval_dataloader(self) -> DataLoader:
+        """All evaluation blocks on this process (evaluation outside Lightning's loops)."""
+        return DataLoader(BlockDataset(self.eval_blocks), batch_size=self.eval_batch_size, shuffle=False)
+
+    def _loader(self, blocks: torch.Tensor, batch_size: int, shuffle: bool) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            BlockDataset(blocks), batch_size=batch_size, shuffle=shuffle, generator=gen, num_workers=self.num_workers
+        )

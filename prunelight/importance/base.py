@@ -1,0 +1,115 @@
+"""The criterion interface: streaming per-unit statistics gathered by hooks during calibration.
+
+A unit is one GQA group of a layer (kind "attn") or one MLP channel of a layer (kind "mlp").
+Criteria reduce everything to one fp32 number per unit inside their hooks, so memory stays
+O(units), never O(weights): no weight gradient is kept.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from prunelight.adapters import ArchAdapter, get_adapter, unwrap
+
+KINDS = ("attn", "mlp")
+UnitScores = dict[str, list[torch.Tensor]]  # kind -> one 1-D tensor of scores per layer
+
+
+class Criterion(ABC):
+    """Base class: owns fp32 accumulators `stats[kind][layer]` and the hooks that fill them."""
+
+    name: str = "base"
+    needs_data: bool = True  # False: scores come from the weights alone
+    needs_backward: bool = True  # False: forward hooks suffice (no gradient needed)
+    loss: str = "lm"  # which calibration objective the backward pass uses: "lm" or "entropy"
+
+    def __init__(self) -> None:
+        self.stats: UnitScores = {kind: [] for kind in KINDS}
+        self.num_samples = 0
+        self._handles: list = []
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        """Create zeroed accumulators and register hooks on `model`."""
+        adapter = get_adapter(model)
+        shapes = adapter.layer_shapes(model)
+        device = next(unwrap(model).parameters()).device
+        self.stats = {
+            "attn": [torch.zeros(s.num_key_value_heads, dtype=torch.float32, device=device) for s in shapes],
+            "mlp": [torch.zeros(s.intermediate_size, dtype=torch.float32, device=device) for s in shapes],
+        }
+        self.num_samples = 0
+        self._register(model, adapter)
+
+    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+        """Register hooks (subclasses that read activations override this)."""
+
+    def detach(self) -> None:
+        """Remove every hook this criterion registered."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the statistics over processes with `reduce_sum` (identity on one process)."""
+        if not self.needs_data:
+            return  # weight-only scores are already identical on every rank
+        for kind in KINDS:
+            if not self.stats[kind]:
+                continue
+            sizes = [t.numel() for t in self.stats[kind]]
+            flat = reduce_sum(torch.cat(self.stats[kind]))
+            self.stats[kind] = list(torch.split(flat, sizes))
+        self.num_samples = int(reduce_sum(torch.tensor([float(self.num_samples)]))[0].item())
+
+    @abstractmethod
+    def scores(self, model: nn.Module) -> UnitScores:
+        """Final per-unit importance (higher = more important)."""
+
+
+class ActGradCriterion(Criterion):
+    """Criteria built from a * dL/da at each unit's output (o_proj input per group, down_proj input per channel).
+
+    These hooks see activations and their gradients only, so they work with frozen weights, under
+    gradient checkpointing, and under DeepSpeed ZeRO where weight gradients are partitioned.
+    """
+
+    needs_backward = True
+
+    @abstractmethod
+    def reduce_samples(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """[batch, units] per-sample sums of a*g -> [units] contribution of this batch."""
+
+    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+        for i, layer in enumerate(adapter.layers(model)):
+            attn, mlp = adapter.attn(layer), adapter.mlp(layer)
+            if attn is not None and hasattr(attn, adapter.o_name):
+                n_kv = self.stats["attn"][i].numel()
+                self._handles.append(adapter.o(attn).register_forward_pre_hook(self._grad_hook("attn", i, n_kv)))
+            if mlp is not None and hasattr(mlp, adapter.down_name):
+                n_c = self.stats["mlp"][i].numel()
+                down = adapter.gate_up_down(mlp)[2]
+                self._handles.append(down.register_forward_pre_hook(self._grad_hook("mlp", i, n_c)))
+
+    def _grad_hook(self, kind: str, layer: int, units: int):
+        def pre_hook(module, args):
+            x = args[0]
+            if not x.requires_grad:
+                return None
+
+            def on_grad(g: torch.Tensor) -> None:
+                ag = (x.detach().float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
+                per_sample = ag.view(ag.shape[0], units, -1).sum(-1)  # [batch, units]
+                self.stats[kind][layer] += self.reduce_samples(per_sample)
+
+            x.register_hook(on_grad)
+            return None
+
+        return pre_hook
+
+    def scores(self, model: nn.Module) -> UnitScores:
+        return {kind: [t.clone() for t in self.stats[kind]] for kind in KINDS}

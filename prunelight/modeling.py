@@ -1,0 +1,155 @@
+"""Transformers classes for models whose layers have different widths after pruning.
+
+This file is self-contained (torch + transformers only) on purpose: `prunelight.export` copies it
+next to the weights as `modeling_prunelight.py`, so a pruned folder loads with
+`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` on a machine without
+prunelight, and `import prunelight` registers the same classes so no remote code is needed there.
+
+The config keeps the stock fields and adds `layer_shapes`: one
+`{num_attention_heads, num_key_value_heads, intermediate_size}` per layer (0 = sub-block removed).
+The model subclass builds the stock layers, then resizes each one in `__init__`, before any
+weight is loaded, so the stock loading machinery (dtype, device maps, sharding, tied weights)
+handles the rest unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+
+class RemovedAttention(nn.Module):
+    """Stands in for an attention sub-block removed by depth pruning: adds nothing to the residual."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+class RemovedMLP(nn.Module):
+    """Stands in for an MLP sub-block removed by depth pruning: adds nothing to the residual."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden_states)
+
+
+def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+    """A new Linear with the same dtype/device/bias as `old` and the given size (weights uninitialised)."""
+    return nn.Linear(
+        in_features,
+        out_features,
+        bias=old.bias is not None,
+        device=old.weight.device,
+        dtype=old.weight.dtype,
+    )
+
+
+def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
+    """Rebuild one decoder layer's projections at `shape` (weights are loaded afterwards)."""
+    heads, kv, inter = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
+    attn = layer.self_attn
+    if heads == 0:
+        layer.self_attn = RemovedAttention()
+    elif not isinstance(attn, RemovedAttention):
+        hidden = attn.q_proj.in_features
+        attn.q_proj = _linear_like(attn.q_proj, hidden, heads * head_dim)
+        attn.k_proj = _linear_like(attn.k_proj, hidden, kv * head_dim)
+        attn.v_proj = _linear_like(attn.v_proj, hidden, kv * head_dim)
+        attn.o_proj = _linear_like(attn.o_proj, heads * head_dim, hidden)
+        attn.num_key_value_groups = heads // kv
+        attn.num_heads, attn.num_key_value_heads = heads, kv
+    mlp = layer.mlp
+    if inter == 0:
+        layer.mlp = RemovedMLP()
+    elif not isinstance(mlp, RemovedMLP):
+        hidden = mlp.gate_proj.in_features
+        mlp.gate_proj = _linear_like(mlp.gate_proj, hidden, inter)
+        mlp.up_proj = _linear_like(mlp.up_proj, hidden, inter)
+        mlp.down_proj = _linear_like(mlp.down_proj, inter, hidden)
+        mlp.intermediate_size = inter
+
+
+class _PrunedMixin:
+    """Resizes every layer to `config.layer_shapes` right after the stock constructor."""
+
+    def _resize_to_layer_shapes(self) -> None:
+        shapes = getattr(self.config, "layer_shapes", None)
+        if not shapes:
+            return
+        layers = self.model.layers
+        if len(shapes) != len(layers):
+            raise ValueError(f"config.layer_shapes has {len(shapes)} entries for {len(layers)} layers")
+        head_dim = self.config.head_dim
+        for layer, shape in zip(layers, shapes):
+            resize_decoder_layer(layer, shape, head_dim)
+
+
+class PrunedLlamaConfig(LlamaConfig):
+    model_type = "prunelight_llama"
+    layer_shapes: list | None = None
+
+    def validate_architecture(self):
+        # Per-layer head counts need not divide hidden_size: head_dim is explicit.
+        if not self.head_dim:
+            raise ValueError("a pruned config needs an explicit head_dim")
+
+
+class PrunedMistralConfig(MistralConfig):
+    model_type = "prunelight_mistral"
+    layer_shapes: list | None = None
+
+
+class PrunedQwen2Config(Qwen2Config):
+    model_type = "prunelight_qwen2"
+    layer_shapes: list | None = None
+
+
+class PrunedLlamaForCausalLM(_PrunedMixin, LlamaForCausalLM):
+    config_class = PrunedLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedMistralForCausalLM(_PrunedMixin, MistralForCausalLM):
+    config_class = PrunedMistralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedQwen2ForCausalLM(_PrunedMixin, Qwen2ForCausalLM):
+    config_class = PrunedQwen2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+# stock model_type -> (pruned config class, pruned model class)
+PRUNED_CLASSES = {
+    "llama": (PrunedLlamaConfig, PrunedLlamaForCausalLM),
+    "mistral": (PrunedMistralConfig, PrunedMistralForCausalLM),
+    "qwen2": (PrunedQwen2Config, PrunedQwen2ForCausalLM),
+}
+
+
+def register_auto_classes() -> None:
+    """Make AutoConfig / AutoModelForCausalLM resolve the pruned model types in this process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for config_cls, model_cls in PRUNED_CLASSES.values():
+        try:
+            AutoConfig.register(config_cls.model_type, config_cls)
+            AutoModelForCausalLM.register(config_cls, model_cls)
+        except ValueError:  # already registered (module re-imported)
+            pass

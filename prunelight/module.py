@@ -1,0 +1,188 @@
+"""The LightningModule: a Hugging Face causal LM that can be cut in place and then recovered."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+import torch
+from torch import nn
+
+from prunelight.adapters import get_adapter, unwrap
+from prunelight.metrics import TokenPerplexity
+from prunelight.plan import PrunePlan
+from prunelight.recovery import LoRASettings, add_lora, check_mode, merge_lora
+from prunelight.surgery import apply_plan
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CKPT_KEY = "prunelight"
+
+
+class PruneLM(L.LightningModule):
+    """Wraps `AutoModelForCausalLM`; holds the prune plan and the recovery state so checkpoints resume."""
+
+    def __init__(
+        self,
+        pretrained: str = "HuggingFaceTB/SmolLM2-135M",
+        config: dict | None = None,
+        dtype: str = "float32",
+        attn_implementation: str | None = "sdpa",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        recovery: str = "lora",
+        lora: LoRASettings | None = None,
+        learning_rate: float = 2e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        check_mode(recovery)
+        self.save_hyperparameters()
+        self.pretrained, self.model_config = pretrained, config
+        self.dtype_name = dtype
+        self.attn_implementation = attn_implementation
+        self.gradient_checkpointing = gradient_checkpointing
+        self.trust_remote_code = trust_remote_code
+        self.recovery = recovery
+        self.lora = lora or LoRASettings()
+        self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
+        self.model: nn.Module | None = None
+        self.tokenizer = None
+        self.plan: PrunePlan | None = None
+        self.lora_active = False
+        self.run_report: dict = {"times_s": {}}
+        self.val_ppl = TokenPerplexity()
+
+    # --- model --------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Load the model (once); called by the Trainer under the strategy's init context."""
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        if self.model_config is not None:
+            cfg = dict(self.model_config)
+            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.pretrained, **kwargs)
+        get_adapter(model)  # unsupported architectures fail here, before any work
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        model.train()  # from_pretrained returns eval mode; recovery must train with dropout active
+        self.model = model
+        self.run_report["times_s"]["load"] = time.perf_counter() - t0
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "check_context"):
+            dm.check_context(self.max_positions())
+
+    def load_tokenizer(self):
+        """The tokenizer saved with the pretrained model (None for config-built test models)."""
+        if self.tokenizer is None and self.model_config is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=self.trust_remote_code)
+        return self.tokenizer
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The transformers model without peft wrapping."""
+        return unwrap(self.model)
+
+    def max_positions(self) -> int | None:
+        """The model's context length."""
+        return getattr(self.base_model.config, "max_position_embeddings", None)
+
+    # --- pruning and recovery -----------------------------------------------------------------
+    def apply_plan(self, plan: PrunePlan) -> None:
+        """Cut the model to `plan` and remember it (checkpoints re-apply it on load)."""
+        if self.plan is not None:
+            raise RuntimeError("the model is already pruned; a second plan would use stale indices")
+        apply_plan(self.base_model, plan)
+        self.plan = plan
+
+    def start_recovery(self) -> None:
+        """Prepare the cut model for recovery: LoRA adapters, full fine-tuning, or nothing to train."""
+        if self.recovery == "lora" and not self.lora_active:
+            if self.gradient_checkpointing:
+                self.base_model.enable_input_require_grads()
+            self.model = add_lora(self.model, self.lora)
+            self.lora_active = True
+        elif self.recovery == "full":
+            for p in self.model.parameters():
+                p.requires_grad_(True)
+        elif self.recovery == "none":
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    def merge_adapters(self) -> None:
+        """Fold LoRA into the base weights (idempotent)."""
+        if self.lora_active:
+            self.model = merge_lora(self.model)
+            self.lora_active = False
+
+    # --- training -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss is {loss.item()} at step {self.global_step}: lower the learning rate "
+                f"({self.learning_rate}) or use bf16/fp32 instead of fp16"
+            )
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                raise FloatingPointError(f"NaN/inf gradient in {name} at step {self.global_step}")
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_ppl.update(self(batch), batch)
+        self.log("val_ppl", self.val_ppl, prog_bar=True, on_epoch=True, on_step=False)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_ppl.update(self(batch), batch)
+        self.log("test_ppl", self.val_ppl, on_epoch=True, on_step=False)
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:  # "none" recovery: a no-op optimizer keeps the loop valid
+            params = [nn.Parameter(torch.zeros(1, device=self.device))]
+        opt = torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)
+        warmup = max(self.warmup_steps, 0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CKPT_KEY] = {
+            "plan": self.plan.to_dict() if self.plan else None,
+            "lora": self.lora.as_dict() if self.lora_active else None,
+            "report": self.run_report,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Rebuild the pruned (and LoRA-wrapped) structure so the saved state dict fits.
+        state = checkpoint.get(CKPT_KEY) or {}
+        self.configure_model()
+        if state.get("plan") and self.plan is None:
+            self.apply_plan(PrunePlan.from_dict(state["plan"]))
+        if state.get("lora") and not self.lora_active:
+            self.lora = LoRASettings(**state["lora"])
+            self.recovery = "lora"
+            self.start_recovery()
+        self.run_report = state.get("report") or self.run_report

@@ -1,0 +1,110 @@
+"""Helpers for tests and benchmarks: tiny random GQA models and the location of reference data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def tiny_config(family: str = "llama", **overrides):
+    """A 2-layer GQA config (4 query heads, 2 KV heads) of the given family; seconds to build and run."""
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "mistral":
+        return MistralConfig(sliding_window=None, **common)
+    raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random causal LM in fp32 with eager attention (deterministic under `seed`)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager")
+    if family == "qwen2":  # stock init zeroes biases; random ones make the bias-slicing checks meaningful
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    return model.eval()
+
+
+def shared_dir() -> Path | None:
+    """The shared data folder: $PRUNELIGHT_SHARED, else ../shared beside the repository; None if absent."""
+    env = os.environ.get("PRUNELIGHT_SHARED")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[2] / "shared")
+    for path in candidates:
+        if path.is_dir():
+            return path
+    return None
+
+
+_TINY_TEXT = (
+    "the quick brown fox jumps over the lazy dog . a model that is pruned must still speak . "
+    "grouped query attention shares one key and value head among several query heads . "
+    "we remove whole groups and channels , then recover with low rank adapters . "
+)
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A small BPE tokenizer (fits the tiny models' 128-token vocabulary), built offline in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"-()=<>/ "
+    tok.train_from_iterator([_TINY_TEXT * 20, alphabet], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def make_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random model plus tokenizer as a Hugging Face folder (what `model.pretrained` points at)."""
+    from pathlib import Path
+
+    path = Path(path)
+    model = tiny_model(family, seed=seed, **overrides)
+    model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def write_tiny_corpus(folder, lines: int = 400, seed: int = 0):
+    """Write train/valid/test text files of made-up sentences (disjoint lines) for data tests."""
+    import random
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    words = _TINY_TEXT.replace(".", "").replace(",", "").split()
+    out = {}
+    for split in ("train", "valid", "test"):
+        rows = [f"{split} {i} " + " ".join(rng.choice(words) for _ in range(12)) for i in range(lines)]
+        (folder / f"{split}.txt").write_text("\n".join(rows) + "\n")
+        out[split] = folder / f"{split}.txt"
+    return out
