@@ -8,10 +8,10 @@ import time
 import lightning as L
 import torch
 
-from prunelight.allocation import ALLOCATIONS, allocate, count_params, validate_ratio
-from prunelight.calibration import run_calibration
-from prunelight.importance import CRITERIA, build_criterion
+from prunelight.allocation import ALLOCATIONS, count_params, validate_ratio
+from prunelight.importance import CRITERIA
 from prunelight.perplexity import evaluate_perplexity
+from prunelight.pipeline import make_plan
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +88,23 @@ class PruningCallback(L.Callback):
         times["eval_dense"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        crit = build_criterion(self.criterion, **self.criterion_args)
-        batches = dm.calibration_batches(trainer.global_rank, trainer.world_size) if crit.needs_data else []
+        batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
 
         def reduce_sum(t: torch.Tensor) -> torch.Tensor:
             return trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum")
 
-        scores = run_calibration(base, batches, crit, reduce_sum=reduce_sum, max_batches=self.max_calibration_batches)
-        times["calibration"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        plan = allocate(base, scores, self.ratio, self.allocation, self.min_groups, self.min_channels)
-        plan.meta.update(criterion=self.criterion, criterion_args=self.criterion_args, samples=crit.num_samples)
-        times["allocation"] = time.perf_counter() - t0
+        plan, scores = make_plan(
+            base,
+            batches,
+            self.ratio,
+            criterion=self.criterion,
+            criterion_args=self.criterion_args,
+            allocation=self.allocation,
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
+            reduce_sum=reduce_sum,
+            max_batches=self.max_calibration_batches,
+        )
+        times["calibration_and_allocation"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         pl_module.apply_plan(plan)
@@ -121,7 +125,7 @@ class PruningCallback(L.Callback):
             "criterion": self.criterion,
             "allocation": self.allocation,
             "ratio": self.ratio,
-            "samples": crit.num_samples,
+            "samples": plan.meta["samples"],
             "seq_len": getattr(dm, "seq_len", None),
             "source": dm.calibration.describe() if dm is not None else None,
             "seed": getattr(dm, "seed", None),
