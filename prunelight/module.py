@@ -42,7 +42,9 @@ class PruneLM(L.LightningModule):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         check_mode(recovery)
-        self.save_hyperparameters()
+        # Plain types only: Lightning restores checkpoints with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = (lora or LoRASettings()).as_dict()
         self.pretrained, self.model_config = pretrained, config
         self.dtype_name = dtype
         self.attn_implementation = attn_implementation
