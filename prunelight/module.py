@@ -137,7 +137,9 @@ class PruneLM(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.recovery == "none" and self.plan is not None:
+            return None  # prune-only run: nothing to train; the PruningCallback stops the loop
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(

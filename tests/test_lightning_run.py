@@ -92,6 +92,16 @@ def test_full_finetune_recovery_trains_all_weights(tmp_path):
     assert params == {id(p) for p in module.model.parameters()}
 
 
+def test_prune_only_run_stops_after_the_cut(tmp_path):
+    module, dm = _module(recovery="none"), _dm(tmp_path)
+    trainer = _trainer(tmp_path, 100, [PruningCallback(ratio=0.2, criterion="taylor"),
+                                       ExportCallback(out_dir=str(tmp_path / "run"))])
+    trainer.fit(module, dm)
+    assert module.plan is not None and trainer.global_step <= 1, "the loop must stop right after the cut"
+    assert module.run_report["ppl"]["recovered"] == pytest.approx(module.run_report["ppl"]["pruned"])
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
+
+
 def test_nan_weights_give_clear_error(tmp_path):
     module, dm = _module(), _dm(tmp_path)
     module.configure_model()
