@@ -200,3 +200,15 @@ def test_bad_names_and_arguments_are_explained():
         build_criterion("fisher", objective="ce")
     with pytest.raises(ValueError, match="micro_batch_size"):
         build_criterion("second_order", micro_batch_size=0)
+
+
+@pytest.mark.parametrize("name", sorted(CRITERIA))
+def test_every_criterion_drives_a_plan_that_meets_the_budget(name):
+    from prunelight.pipeline import make_plan
+
+    model = tiny_model("qwen2")
+    plan, _ = make_plan(model, list(torch.split(_ids(), 2)), 0.2, criterion=name)
+    assert plan.meta["criterion"] == name
+    assert plan.meta["params_removed"] >= plan.meta["params_target_removed"]
+    assert plan.meta["removed_fraction_total"] < 0.3
+    assert all(p.grad is None for p in model.parameters())
