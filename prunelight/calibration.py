@@ -59,7 +59,7 @@ def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Crit
         p.grad = None  # a stale training gradient would otherwise be folded into the scores
         p.requires_grad_(True)
     handles = []
-    if criterion.needs_backward:
+    if criterion.needs_backward and not targets:  # activation-gradient criteria: grads must flow from the embeddings
         handles.append(base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True)))
     base.eval()
     try:
@@ -67,7 +67,7 @@ def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Crit
             if max_batches is not None and b >= max_batches:
                 break
             input_ids = input_ids.to(device)
-            for chunk in torch.split(input_ids, criterion.micro_batch_size or input_ids.shape[0]):
+            for chunk in torch.split(input_ids, criterion.micro_batch_size or max(len(input_ids), 1)):
                 with torch.set_grad_enabled(criterion.needs_backward):
                     logits = base(input_ids=chunk, use_cache=False).logits
                     if criterion.needs_backward:
