@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,8 +40,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-# Options passed to `allocate` per allocation method; methods not listed get none. Extend here.
-ALLOCATION_ARGS: dict[str, dict] = {
+# Options passed to `allocate` per allocation method; methods not listed get none. Extend here. A value
+# may also be a callable (model, calibration_batches) -> dict, for allocations that need data.
+ALLOCATION_ARGS: dict[str, dict | Callable[..., dict]] = {
     "global": {},
     "uniform": {},
 }
@@ -146,7 +148,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     for method in args.allocations:
         row: dict = {"allocation": method}
         try:
-            opts = {**ALLOCATION_ARGS.get(method, {}), **extra_args.get(method, {})}
+            base_opts = ALLOCATION_ARGS.get(method, {})
+            if callable(base_opts):
+                base_opts = base_opts(model, calib)
+            opts = {**base_opts, **extra_args.get(method, {})}
             plan = allocate(model, scores, args.ratio, method, **opts)
             pruned = copy.deepcopy(model)
             apply_plan(pruned, plan)
@@ -167,13 +172,16 @@ def run_worker(args: argparse.Namespace) -> dict:
 
 def _markdown(meta: dict, results: list[dict]) -> str:
     lines = [
-        f"Model `{meta['model_name']}` ({meta['params_total']:,} parameters), {meta['ratio']:.0%} of parameters removed, "
-        f"no recovery. Calibration: {meta['calibration_samples']} x {meta['seq_len']} tokens of "
+        f"Model `{meta['model_name']}` ({meta['params_total']:,} parameters), "
+        f"{meta['ratio']:.0%} of parameters removed, no recovery. "
+        f"Calibration: {meta['calibration_samples']} x {meta['seq_len']} tokens of "
         f"{meta['calibration_name']} (seed {meta['seed']}); perplexity on {meta['eval_tokens']:,} scored tokens of "
-        f"{meta['eval_name']} ({meta['eval_blocks']} blocks of {meta['seq_len']}). Peak memory: {meta['memory_note']}. "
+        f"{meta['eval_name']} ({meta['eval_blocks']} blocks of {meta['seq_len']}). "
+        f"Peak memory: {meta['memory_note']}. "
         f"{meta['threads']} thread(s), torch {meta['torch']}, {meta['device']}.",
         "",
-        "| criterion | allocation | params removed | WikiText-2 ppl | scoring time (s) | peak memory (MiB) | scoring +MiB |",
+        "| criterion | allocation | params removed | WikiText-2 ppl | scoring time (s) | peak memory (MiB) "
+        "| scoring +MiB |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for res in results:
@@ -249,7 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [c for c in criteria if c not in CRITERIA]
     bad_alloc = [a for a in args.allocations if a not in _allocations()]
     if unknown or bad_alloc:
-        p.error(f"unknown criteria {unknown} / allocations {bad_alloc}; available: {sorted(CRITERIA)} / {_allocations()}")
+        p.error(
+            f"unknown criteria {unknown} / allocations {bad_alloc}; "
+            f"available: {sorted(CRITERIA)} / {_allocations()}"
+        )
     from transformers import AutoConfig
 
     from prunelight.allocation import count_params
@@ -263,7 +274,13 @@ def main(argv: list[str] | None = None) -> None:
         for name in ["dense", *criteria]:
             out_file = Path(tmp) / f"{name}.json"
             t0 = time.perf_counter()
-            subprocess.run(_worker_cmd(args, name, data_file, out_file), check=True)
+            proc = subprocess.run(_worker_cmd(args, name, data_file, out_file))
+            if proc.returncode != 0 or not out_file.exists():  # keep the other criteria of a long run
+                err = f"worker exited with status {proc.returncode} (see its traceback above)"
+                results.append({"criterion": name, "rows": [{"allocation": a, "error": err} for a in args.allocations]})
+                if name == "dense":
+                    raise SystemExit(f"the dense baseline failed: {err}")
+                continue
             results.append(json.loads(out_file.read_text()))
             print(f"{name}: done in {time.perf_counter() - t0:.1f}s", flush=True)
 

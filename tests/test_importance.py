@@ -217,7 +217,9 @@ def test_every_criterion_drives_a_plan_that_meets_the_budget(name):
 def test_forward_only_criteria_build_no_graph():
     model = tiny_model("llama")
     grad_modes = []
-    handle = model.lm_head.register_forward_hook(lambda m, i, out: grad_modes.append((torch.is_grad_enabled(), out.requires_grad)))
+    handle = model.lm_head.register_forward_hook(
+        lambda m, i, out: grad_modes.append((torch.is_grad_enabled(), out.requires_grad))
+    )
     run_calibration(model, [_ids()], build_criterion("wanda"))
     handle.remove()
     assert grad_modes == [(False, False)]
