@@ -127,7 +127,7 @@ class ActGradCriterion(Criterion):
         def pre_hook(module, args):
             x = args[0]
             if not x.requires_grad:
-                return None
+                return
 
             def on_grad(g: torch.Tensor) -> None:
                 ag = (x.detach().float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
@@ -135,7 +135,6 @@ class ActGradCriterion(Criterion):
                 self.stats[kind][layer] += self.reduce_samples(per_sample)
 
             x.register_hook(on_grad)
-            return None
 
         return pre_hook
 
