@@ -25,6 +25,7 @@ class PrunePlan:
     num_groups: list[int]  # original groups (KV heads) per layer
     num_channels: list[int]  # original MLP channels per layer
     meta: dict = field(default_factory=dict)
+    drop_layers: list[int] = field(default_factory=list)  # whole layers removed (depth pruning), original indices
 
     @property
     def num_layers(self) -> int:
@@ -39,7 +40,7 @@ class PrunePlan:
 
     def is_identity(self) -> bool:
         """True when the plan removes nothing."""
-        return self.removed_counts() == (0, 0)
+        return self.removed_counts() == (0, 0) and not self.drop_layers
 
     def to_dict(self) -> dict:
         """JSON-able form."""
@@ -48,6 +49,7 @@ class PrunePlan:
             "num_groups": self.num_groups,
             "num_channels": self.num_channels,
             "meta": self.meta,
+            "drop_layers": list(self.drop_layers),
         }
 
     @classmethod
@@ -58,4 +60,5 @@ class PrunePlan:
             num_groups=list(data["num_groups"]),
             num_channels=list(data["num_channels"]),
             meta=dict(data.get("meta", {})),
+            drop_layers=[int(i) for i in data.get("drop_layers", [])],  # absent in plans from before depth pruning
         )
