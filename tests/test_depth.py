@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -101,3 +102,48 @@ def test_depth_allocation_drops_the_least_influential_layer():
     assert before - sum(p.numel() for p in model.parameters()) == plan.meta["params_removed"]
     assert get_adapter(model).layer_shapes(model)[0].num_key_value_heads == 2
     assert model.generate(PROMPT, max_new_tokens=3, do_sample=False).shape == (1, 8)
+
+
+def test_depth_preset_runs_end_to_end(tmp_path, monkeypatch):
+    """The depth preset, pointed at a tiny checkpoint: layers dropped, report + plot written, export and resume work."""
+    import json
+
+    import yaml
+
+    from prunelight.cli import cli_main
+    from prunelight.module import PruneLM
+    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=4)
+    text = write_tiny_corpus(tmp_path / "text")
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/methods/depth.yaml").read_text())
+    cfg["model"]["pretrained"] = str(ckpt)
+    cfg["data"].update(calibration={"path": str(text["valid"])}, eval={"path": str(text["test"])},
+                       train={"path": str(text["train"])}, num_samples=8, seq_len=32, batch_size=4,
+                       calibration_batch_size=4, eval_batch_size=8, max_eval_blocks=8)
+    cfg["trainer"].update(max_steps=2, val_check_interval=None, limit_val_batches=0, log_every_n_steps=1,
+                          logger=False, default_root_dir=str(tmp_path / "run"))
+    pruning, export = cfg["trainer"]["callbacks"]
+    pruning["init_args"].update(ratio=0.3)
+    export["init_args"]["out_dir"] = str(tmp_path / "out")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr("sys.argv", ["prunelight"])
+    cli = cli_main(["fit", "--config", str(tmp_path / "cfg.yaml")])
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["plan"]["layers_dropped"], "depth preset dropped no layer"
+    assert len(report["layer_importance"]["block_influence"]) == 4
+    assert (tmp_path / "out" / "layer_importance.png").read_bytes()[:4] == b"\x89PNG"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert loaded.config.num_hidden_layers == 4 - len(report["plan"]["layers_dropped"])
+
+    saved = next((tmp_path / "run").rglob("*.ckpt"))
+    state = torch.load(saved, map_location="cpu", weights_only=False)
+    fresh = PruneLM(pretrained=str(ckpt), recovery="lora")
+    fresh.on_load_checkpoint(state)
+    fresh.load_state_dict(state["state_dict"])
+    assert fresh.base_model.config.num_hidden_layers == loaded.config.num_hidden_layers
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    fresh.merge_adapters()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.base_model.eval()(ids).logits, cli.model.base_model.eval()(ids).logits)
