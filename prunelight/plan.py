@@ -34,8 +34,9 @@ class PrunePlan:
 
     def removed_counts(self) -> tuple[int, int]:
         """(GQA groups removed, MLP channels removed) over all layers."""
-        groups = sum(n - len(lp.keep_groups) for n, lp in zip(self.num_groups, self.layers))
-        chans = sum(n - len(lp.keep_channels) for n, lp in zip(self.num_channels, self.layers))
+        drop = set(self.drop_layers)  # a dropped layer loses every unit, whatever its keep lists say
+        groups = sum(n - (0 if i in drop else len(lp.keep_groups)) for i, (n, lp) in enumerate(zip(self.num_groups, self.layers)))
+        chans = sum(n - (0 if i in drop else len(lp.keep_channels)) for i, (n, lp) in enumerate(zip(self.num_channels, self.layers)))
         return groups, chans
 
     def is_identity(self) -> bool:

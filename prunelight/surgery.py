@@ -157,9 +157,11 @@ def mask_units(model: nn.Module, plan: PrunePlan) -> None:
     config = unwrap(model).config
     hd = adapter.head_dim(config)
     with torch.no_grad():
-        for layer, lp, shape, n_g, n_c in zip(
+        for i, (layer, lp, shape, n_g, n_c) in enumerate(zip(
             adapter.layers(model), plan.layers, adapter.layer_shapes(model), plan.num_groups, plan.num_channels
-        ):
+        )):
+            if i in plan.drop_layers:  # a dropped layer passes its input through: silence both sub-blocks
+                lp = type(lp)([], [])
             rep = shape.num_attention_heads // shape.num_key_value_heads
             gone_g = [g for g in range(n_g) if g not in set(lp.keep_groups)]
             if gone_g:

@@ -17,7 +17,7 @@ from prunelight.cli import cli_main
 from prunelight.importance import build_criterion
 from prunelight.calibration import run_calibration
 from prunelight.pipeline import make_plan
-from prunelight.surgery import apply_plan
+from prunelight.surgery import apply_plan, mask_units
 from prunelight.testing import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +115,12 @@ def test_blockwise_removes_subblocks_then_width(setup):
     assert empties
     removed = _cut(model, plan)
     assert budget.target <= removed < budget.target + _max_unit(budget)
+    masked, cut = copy.deepcopy(model), copy.deepcopy(model)
+    mask_units(masked, plan)
+    apply_plan(cut, plan)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(cut(ids).logits, masked(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_global_may_empty_and_drop_a_layer(setup):
@@ -225,3 +231,17 @@ def test_method_presets_parse(method, allocation, capsys, monkeypatch):
     assert exc.value.code in (0, None)
     out = capsys.readouterr().out
     assert f"allocation: {allocation}" in out and "criterion: taylor" in out
+
+
+def test_layerwise_on_reference_model(ref_model_dir):
+    """The real 8-layer model: measured block influence, inverse rates, budget met within one unit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
+    batches = [torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))]
+    plan, _ = make_plan(model, batches, 0.2, allocation="layerwise", allocation_args={"alpha": 2.0})
+    budget = make_budget(model, 0.2)
+    assert budget.target <= plan.meta["params_removed"] < budget.target + _max_unit(budget)
+    imp = plan.meta["layer_importance"]["block_influence"]
+    rates = plan.meta["layer_rates"]
+    assert rates[max(range(8), key=imp.__getitem__)] < rates[min(range(8), key=imp.__getitem__)]

@@ -56,6 +56,16 @@ def test_generate_with_first_attention_removed():
     _check_against_masked(model, _plan(3, {2}, keep_groups={0: []}))
 
 
+def test_export_with_first_attention_removed_generates(tmp_path):
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    apply_plan(model, _plan(3, {1}, keep_groups={0: []}))
+    export_pretrained(model, tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+    assert loaded.model.layers[0].self_attn.layer_idx == 0
+    assert torch.equal(loaded.generate(PROMPT, max_new_tokens=6, do_sample=False),
+                       model.generate(PROMPT, max_new_tokens=6, do_sample=False))
+
+
 def test_export_round_trip_of_depth_pruned_model(tmp_path, family):
     model = tiny_model(family, num_hidden_layers=4)
     apply_plan(model, _plan(4, {0}, keep_groups={2: [0]}, keep_channels={3: list(range(50))}))

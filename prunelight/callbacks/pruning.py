@@ -94,6 +94,7 @@ class PruningCallback(L.Callback):
         if trainer.fast_dev_run:
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.prune_step, self.max_calibration_batches, self.max_eval_batches = 0, 1, 1
+            self.importance_batches = 1
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.pruned and trainer.global_step >= self.prune_step:
