@@ -161,7 +161,9 @@ def subblock_removal(
     return out
 
 
-def plot_layer_importance(values: dict[str, Sequence[float]], path: str | Path, title: str = "Layer importance") -> Path:
+def plot_layer_importance(
+    values: dict[str, Sequence[float]], path: str | Path, title: str = "Layer importance"
+) -> Path:
     """A per-layer bar chart (one panel per measure) written atomically as PNG."""
     import matplotlib
 

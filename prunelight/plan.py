@@ -35,8 +35,10 @@ class PrunePlan:
     def removed_counts(self) -> tuple[int, int]:
         """(GQA groups removed, MLP channels removed) over all layers."""
         drop = set(self.drop_layers)  # a dropped layer loses every unit, whatever its keep lists say
-        groups = sum(n - (0 if i in drop else len(lp.keep_groups)) for i, (n, lp) in enumerate(zip(self.num_groups, self.layers)))
-        chans = sum(n - (0 if i in drop else len(lp.keep_channels)) for i, (n, lp) in enumerate(zip(self.num_channels, self.layers)))
+        kept = [(0, 0) if i in drop else (len(lp.keep_groups), len(lp.keep_channels))
+                for i, lp in enumerate(self.layers)]
+        groups = sum(n - k[0] for n, k in zip(self.num_groups, kept))
+        chans = sum(n - k[1] for n, k in zip(self.num_channels, kept))
         return groups, chans
 
     def is_identity(self) -> bool:

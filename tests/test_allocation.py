@@ -13,9 +13,9 @@ from prunelight.allocation.budget import make_budget
 from prunelight.allocation.layerwise import layer_rates
 from prunelight.allocation.split_search import parse_split, search_split
 from prunelight.callbacks import PruningCallback
+from prunelight.calibration import run_calibration
 from prunelight.cli import cli_main
 from prunelight.importance import build_criterion
-from prunelight.calibration import run_calibration
 from prunelight.pipeline import make_plan
 from prunelight.surgery import apply_plan, mask_units
 from prunelight.testing import tiny_model

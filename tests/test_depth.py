@@ -22,7 +22,8 @@ def _plan(n, drop, keep_groups=None, keep_channels=None):
     keep_groups = keep_groups or {}
     keep_channels = keep_channels or {}
     layers = [
-        LayerPlan([] if i in drop else keep_groups.get(i, [0, 1]), [] if i in drop else keep_channels.get(i, list(range(96))))
+        LayerPlan([] if i in drop else keep_groups.get(i, [0, 1]),
+                  [] if i in drop else keep_channels.get(i, list(range(96))))
         for i in range(n)
     ]
     return PrunePlan(layers, [2] * n, [96] * n, drop_layers=sorted(drop))

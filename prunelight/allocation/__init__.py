@@ -86,13 +86,15 @@ def check_allocation_options(
 
 
 def precheck(model: nn.Module, ratio: float, allocation: str, min_groups: int = 1, min_channels: int = 1,
-             freeze_top_n: int = 0, rate_range: Sequence[float] = (0.0, 1.0), attn_mlp_split: str | None = None) -> Budget:
+             freeze_top_n: int = 0, rate_range: Sequence[float] = (0.0, 1.0),
+             attn_mlp_split: str | None = None) -> Budget:
     """Checks that need the model's sizes but no data (run before calibration)."""
     budget = make_budget(model, ratio, min_groups, min_channels)
     if allocation == "layerwise":
         if freeze_top_n >= budget.num_layers:
             raise ValueError(
-                f"freeze_top_n={freeze_top_n} but the model has {budget.num_layers} layers; at least one must be prunable"
+                f"freeze_top_n={freeze_top_n} but the model has {budget.num_layers} layers; "
+                "at least one must be prunable"
             )
         sizes = sorted((budget.layer_units(i), i) for i in range(budget.num_layers))
         pruned = [i for _, i in sizes[freeze_top_n:]]  # optimistic: the smallest layers frozen

@@ -19,7 +19,9 @@ def check_alignment(multiple: int) -> None:
         raise ValueError(f"align_channels must be an integer >= 1 (1 disables it), got {multiple!r}")
 
 
-def align_channels(scores: UnitScores, budget: Budget, removed: Removed, multiple: int, fixed: set[int] = frozenset()) -> Removed:
+def align_channels(
+    scores: UnitScores, budget: Budget, removed: Removed, multiple: int, fixed: set[int] = frozenset()
+) -> Removed:
     """Round kept MLP channels per layer to `multiple` and rebalance so the budget is met within one step."""
     check_alignment(multiple)
     if multiple == 1:
@@ -29,7 +31,8 @@ def align_channels(scores: UnitScores, budget: Budget, removed: Removed, multipl
     for i in live:
         if budget.n_chans[i] < multiple:
             raise ValueError(
-                f"align_channels={multiple} exceeds layer {i}'s {budget.n_chans[i]} MLP channels; use a smaller multiple"
+                f"align_channels={multiple} exceeds layer {i}'s {budget.n_chans[i]} MLP channels; "
+                "use a smaller multiple"
             )
     order = {i: sorted(range(budget.n_chans[i]), key=lambda j: (-float(scores["mlp"][i][j]), j)) for i in live}
     top = {i: budget.n_chans[i] // multiple * multiple for i in live}

@@ -46,7 +46,7 @@ def layer_rates(
     if len(importance) != n:
         raise ValueError(f"layer importance has {len(importance)} values for {n} layers")
     if freeze_top_n >= n:
-        raise ValueError(f"freeze_top_n={freeze_top_n} freezes every layer (the model has {n}); nothing is left to prune")
+        raise ValueError(f"freeze_top_n={freeze_top_n} freezes every layer (the model has {n}); nothing left to prune")
     imp = [float(v) for v in importance]
     lo_v, hi_v = min(imp), max(imp)
     z = [(v - lo_v) / (hi_v - lo_v) if hi_v > lo_v else 0.0 for v in imp]
@@ -54,9 +54,8 @@ def layer_rates(
     w = [math.exp(sign * alpha * zi) for zi in z]
     frozen = set(sorted(range(n), key=lambda i: (-imp[i], i))[:freeze_top_n])
     sizes = [budget.layer_units(i) for i in range(n)]
-    cap = [
-        (budget.limits("attn")[i] * budget.g_cost + budget.limits("mlp")[i] * budget.c_cost) / sizes[i] for i in range(n)
-    ]
+    lim_g, lim_c = budget.limits("attn"), budget.limits("mlp")
+    cap = [(lim_g[i] * budget.g_cost + lim_c[i] * budget.c_cost) / sizes[i] for i in range(n)]
     lo = [0.0 if i in frozen else min(rate_range[0], cap[i]) for i in range(n)]
     hi = [0.0 if i in frozen else min(rate_range[1], cap[i]) for i in range(n)]
     most, least = sum(h * s for h, s in zip(hi, sizes)), sum(v * s for v, s in zip(lo, sizes))
@@ -87,7 +86,9 @@ def layer_rates(
     return rates(b)
 
 
-def layerwise_width(scores: UnitScores, budget: Budget, rates: Sequence[float], attn_share: float | None = None) -> Removed:
+def layerwise_width(
+    scores: UnitScores, budget: Budget, rates: Sequence[float], attn_share: float | None = None
+) -> Removed:
     """Remove each layer's quota (rate x its prunable parameters) of its least important units, then fix the total."""
     removed = empty_removed(budget)
     lim = limits(budget)

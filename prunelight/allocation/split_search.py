@@ -29,7 +29,9 @@ def parse_split(split: str | None) -> float | None:
     except ValueError:
         x = y = -1.0
     if len(parts) != 2 or x < 0 or y < 0 or x + y <= 0:
-        raise ValueError(f"attn_mlp_split must be 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), or 'auto'; got {split!r}")
+        raise ValueError(
+            f"attn_mlp_split must be 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), or 'auto'; got {split!r}"
+        )
     return x / (x + y)
 
 

@@ -56,7 +56,9 @@ def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequen
     return removed, gone
 
 
-def depth(scores: UnitScores, budget: Budget, importance: Sequence[float], fill_width: bool = True) -> tuple[Removed, set[int]]:
+def depth(
+    scores: UnitScores, budget: Budget, importance: Sequence[float], fill_width: bool = True
+) -> tuple[Removed, set[int]]:
     """Drop the least important whole layers (ShortGPT); optionally width-prune the rest to the exact budget.
 
     With `fill_width` as many layers as fit in the budget are dropped and width pruning takes the

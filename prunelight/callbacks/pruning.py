@@ -64,13 +64,15 @@ class PruningCallback(L.Callback):
         if criterion not in CRITERIA:
             raise ValueError(f"unknown importance criterion {criterion!r}; available: {', '.join(sorted(CRITERIA))}")
         rate_range = [0.0, 1.0] if rate_range is None else [float(r) for r in rate_range]
-        report_li = ["block_influence", "activation_change"] if report_layer_importance is None else list(report_layer_importance)
+        report_li = (["block_influence", "activation_change"] if report_layer_importance is None
+                     else list(report_layer_importance))
         check_allocation_options(allocation, strategy, alpha, freeze_top_n, rate_range, attn_mlp_split, align_channels,
                                  layer_importance, block_importance, split_step, split_fine_step, split_patience)
         for name in report_li:
             check_allocation_options(layer_importance=name)
         if importance_batches is not None and importance_batches < 1:
-            raise ValueError(f"importance_batches must be >= 1 or null (all calibration batches), got {importance_batches}")
+            raise ValueError(f"importance_batches must be >= 1 or null (all calibration batches), "
+                             f"got {importance_batches}")
         self.allocation_args = {
             "layer_importance": layer_importance, "strategy": strategy, "alpha": alpha, "freeze_top_n": freeze_top_n,
             "rate_range": rate_range, "attn_mlp_split": attn_mlp_split, "align_channels": align_channels,
