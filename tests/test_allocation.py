@@ -188,6 +188,7 @@ def test_auto_split_in_make_plan(setup, monkeypatch):
         (dict(allocation="knapsack"), "unknown allocation 'knapsack'"),
         (dict(attn_mlp_split="3"), "attn_mlp_split must be 'x:y'"),
         (dict(attn_mlp_split="-1:2"), "attn_mlp_split must be 'x:y'"),
+        (dict(attn_mlp_split=63), "quote it"),  # what YAML makes of an unquoted 1:3
         (dict(allocation="depth", attn_mlp_split="1:1"), "applies to allocations global, layerwise"),
         (dict(align_channels=0), "align_channels must be an integer >= 1"),
         (dict(allocation="layerwise", rate_range=[0.5, 0.2]), "rate_range"),
@@ -245,3 +246,12 @@ def test_layerwise_on_reference_model(ref_model_dir):
     imp = plan.meta["layer_importance"]["block_influence"]
     rates = plan.meta["layer_rates"]
     assert rates[max(range(8), key=imp.__getitem__)] < rates[min(range(8), key=imp.__getitem__)]
+
+
+def test_quoted_split_reaches_the_callback(tmp_path, capsys, monkeypatch):
+    text = (REPO / "configs" / "methods" / "layerwise.yaml").read_text()
+    (tmp_path / "c.yaml").write_text(text.replace("strategy: inverse", 'strategy: inverse\n        attn_mlp_split: "1:3"'))
+    monkeypatch.setattr("sys.argv", ["prunelight"])
+    with pytest.raises(SystemExit):
+        cli_main(["--config", str(tmp_path / "c.yaml"), "--print_config"], run=False)
+    assert "attn_mlp_split: '1:3'" in capsys.readouterr().out

@@ -23,6 +23,10 @@ def parse_split(split: str | None) -> float | None:
     """'x:y' -> the attention share x / (x + y); None or 'auto' pass through as None."""
     if split is None or split == "auto":
         return None
+    if isinstance(split, int) and not isinstance(split, bool):
+        # YAML 1.1 reads an unquoted 1:3 as the base-60 number 63.
+        raise ValueError(f"attn_mlp_split is the number {split}: an unquoted x:y in YAML is read as a base-60 number; "
+                         "quote it, e.g. attn_mlp_split: \"1:3\"")
     parts = str(split).split(":")
     try:
         x, y = (float(p) for p in parts)

@@ -169,6 +169,7 @@ class PruningCallback(L.Callback):
         report["calibration"] = {
             "criterion": self.criterion,
             "allocation": self.allocation,
+            "allocation_args": {k: v for k, v in self.allocation_args.items() if k != "report_layer_importance"},
             "ratio": self.ratio,
             "samples": plan.meta["samples"],
             "seq_len": getattr(dm, "seq_len", None),
