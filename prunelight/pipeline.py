@@ -48,7 +48,7 @@ def make_plan(
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with `criterion` and allocate `ratio` of its parameters.
 
-    `allocation_args` holds allocation options (min_groups, strategy, alpha, freeze_top_n, rate_range,
+    `allocation_args` holds allocation options (min_groups, strategy, alpha, importance_scale, freeze_top_n, rate_range,
     attn_mlp_split "x:y" | "auto", align_channels, layer_importance, block_importance, fill_width, split_*)
     and `report_layer_importance` (measures to record for the report). Layer importance and the split
     search use at most `importance_batches` calibration batches (default: `max_batches`).
@@ -62,6 +62,7 @@ def make_plan(
         allocation, args.get("strategy", "inverse"), args.get("alpha", 1.0), args.get("freeze_top_n", 0),
         args.get("rate_range", (0.0, 1.0)), split, args.get("align_channels", 1), li_method, block_imp,
         own.get("split_step", 0.1), own.get("split_fine_step", 0.025), own.get("split_patience", 2),
+        args.get("importance_scale", "minmax"),
     )
     precheck(model, ratio, allocation, args.get("min_groups", 1), args.get("min_channels", 1),
              args.get("freeze_top_n", 0), args.get("rate_range", (0.0, 1.0)), split)

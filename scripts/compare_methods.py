@@ -27,7 +27,7 @@ from prunelight.surgery import apply_plan
 from prunelight.testing import shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PASS_THROUGH = ("min_groups", "min_channels", "layer_importance", "strategy", "alpha", "freeze_top_n", "rate_range",
+PASS_THROUGH = ("min_groups", "min_channels", "layer_importance", "strategy", "alpha", "importance_scale", "freeze_top_n", "rate_range",
                 "attn_mlp_split", "align_channels", "block_importance", "fill_width", "split_step",
                 "split_fine_step", "split_patience")
 

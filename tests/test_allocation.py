@@ -79,6 +79,17 @@ def test_layer_rates_clip_freeze_and_spread(setup):
     assert total == pytest.approx(budget.target, rel=1e-6)  # the others take the frozen layers' share
 
 
+def test_rank_scale_resists_an_outlier(setup):
+    model, _, _ = setup
+    budget = make_budget(model, 0.25)
+    outlier = [1000.0, 1.0, 2.0, 3.0]  # layer 0 dwarfs the rest, as removal importance of layer 0 often does
+    by_value = layer_rates(outlier, budget, "inverse", alpha=2.0)
+    by_rank = layer_rates(outlier, budget, "inverse", alpha=2.0, scale="rank")
+    assert max(by_value[1:]) - min(by_value[1:]) < 0.01  # min-max squashes layers 1..3 together
+    assert by_rank[1] > by_rank[2] > by_rank[3] > by_rank[0]
+    assert sum(r * budget.layer_units(i) for i, r in enumerate(by_rank)) == pytest.approx(budget.target, rel=1e-6)
+
+
 def test_frozen_layers_untouched(setup):
     model, _, scores = setup
     plan = allocate(model, scores, 0.25, "layerwise", layer_scores=IMPORTANCE, freeze_top_n=1)
@@ -194,6 +205,7 @@ def test_auto_split_in_make_plan(setup, monkeypatch):
         (dict(allocation="layerwise", rate_range=[0.5, 0.2]), "rate_range"),
         (dict(allocation="layerwise", freeze_top_n=-1), "freeze_top_n"),
         (dict(allocation="layerwise", alpha=-1.0), "alpha"),
+        (dict(allocation="layerwise", importance_scale="log"), "unknown importance_scale 'log'"),
         (dict(attn_mlp_split="auto", split_fine_step=0.5), "split_fine_step"),
     ],
 )
@@ -250,7 +262,8 @@ def test_layerwise_on_reference_model(ref_model_dir):
 
 def test_quoted_split_reaches_the_callback(tmp_path, capsys, monkeypatch):
     text = (REPO / "configs" / "methods" / "layerwise.yaml").read_text()
-    (tmp_path / "c.yaml").write_text(text.replace("strategy: inverse", 'strategy: inverse\n        attn_mlp_split: "1:3"'))
+    quoted = text.replace("strategy: inverse", 'strategy: inverse\n        attn_mlp_split: "1:3"')
+    (tmp_path / "c.yaml").write_text(quoted)
     monkeypatch.setattr("sys.argv", ["prunelight"])
     with pytest.raises(SystemExit):
         cli_main(["--config", str(tmp_path / "c.yaml"), "--print_config"], run=False)

@@ -28,7 +28,14 @@ from prunelight.allocation.budget import (
     plan_meta,
     validate_ratio,
 )
-from prunelight.allocation.layerwise import STRATEGIES, check_strategy, layer_rates, layerwise_width
+from prunelight.allocation.layerwise import (
+    SCALES,
+    STRATEGIES,
+    check_scale,
+    check_strategy,
+    layer_rates,
+    layerwise_width,
+)
 from prunelight.allocation.split_search import check_search, parse_split
 from prunelight.allocation.structural import BLOCK_IMPORTANCE, blockwise, depth
 from prunelight.allocation.width import global_width, kind_targets, uniform_width
@@ -44,6 +51,7 @@ __all__ = [
     "ALLOCATIONS",
     "BLOCK_IMPORTANCE",
     "LAYER_IMPORTANCE",
+    "SCALES",
     "STRATEGIES",
     "allocate",
     "check_allocation_options",
@@ -67,11 +75,13 @@ def check_allocation_options(
     split_step: float = 0.1,
     split_fine_step: float = 0.025,
     split_patience: int = 2,
+    importance_scale: str = "minmax",
 ) -> None:
     """Every allocation option checked by name and range, before any model or data is touched."""
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
     check_strategy(strategy, alpha, freeze_top_n, rate_range)
+    check_scale(importance_scale)
     check_layer_importance(layer_importance)
     if block_importance not in BLOCK_IMPORTANCE:
         raise ValueError(f"unknown block importance {block_importance!r}; available: {', '.join(BLOCK_IMPORTANCE)}")
@@ -134,9 +144,11 @@ def allocate(
     align_channels: int = 1,
     block_scores: dict[str, Sequence[float]] | None = None,
     fill_width: bool = True,
+    importance_scale: str = "minmax",
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that `ratio` of all parameters is gone."""
-    check_allocation_options(method, strategy, alpha, freeze_top_n, rate_range, None, align_channels)
+    check_allocation_options(method, strategy, alpha, freeze_top_n, rate_range, None, align_channels,
+                             importance_scale=importance_scale)
     if attn_share is not None and method not in SPLIT_ALLOCATIONS:
         raise ValueError(f"an attention:MLP split applies to {', '.join(SPLIT_ALLOCATIONS)}, not {method!r}")
     if attn_share is not None and not 0.0 <= attn_share <= 1.0:
@@ -152,9 +164,10 @@ def allocate(
     elif method == "uniform":
         removed = uniform_width(scores, budget)
     elif method == "layerwise":
-        rates = layer_rates(layer_scores, budget, strategy, alpha, freeze_top_n, rate_range)
+        rates = layer_rates(layer_scores, budget, strategy, alpha, freeze_top_n, rate_range, importance_scale)
         removed = layerwise_width(scores, budget, rates, attn_share)
-        extra.update(layer_rates=rates, strategy=strategy, alpha=alpha, freeze_top_n=freeze_top_n)
+        extra.update(layer_rates=rates, strategy=strategy, alpha=alpha, freeze_top_n=freeze_top_n,
+                     importance_scale=importance_scale)
     elif method == "blockwise":
         removed, gone = blockwise(scores, budget, block_scores, fill_width)
         extra.update(blocks_removed=[f"{k}{i}" for k, i in gone])

@@ -1,7 +1,8 @@
 """`layerwise`: per-layer pruning rates from measured layer importance, then units chosen inside each layer.
 
-Importance is min-max normalised to z in [0, 1]; a layer's weight is exp(-alpha*z) (`inverse`:
-important layers are cut less), exp(alpha*z) (`proportional`) or 1 (`uniform`). Rates are
+Importance is scaled to z in [0, 1] (`minmax`, or `rank` when one layer dwarfs the rest); a layer's
+weight is exp(-alpha*z) (`inverse`: important layers are cut less), exp(alpha*z) (`proportional`)
+or 1 (`uniform`). Rates are
 r_i = clip(c * w_i, lo, hi_i) with c found by bisection so that sum_i r_i * P_i equals the target
 (P_i: the layer's prunable parameters; hi_i also respects min_groups/min_channels). The `freeze_top_n`
 most important layers get rate 0. Rounding to whole units is corrected globally at the end so the
@@ -18,6 +19,7 @@ from prunelight.allocation.width import kind_targets, limits
 from prunelight.importance.base import UnitScores
 
 STRATEGIES = ("inverse", "proportional", "uniform")
+SCALES = ("minmax", "rank")  # how raw importance becomes z in [0, 1]
 
 
 def check_strategy(strategy: str, alpha: float, freeze_top_n: int, rate_range: Sequence[float]) -> None:
@@ -32,6 +34,12 @@ def check_strategy(strategy: str, alpha: float, freeze_top_n: int, rate_range: S
         raise ValueError(f"rate_range must be [low, high] with 0 <= low < high <= 1, got {list(rate_range)!r}")
 
 
+def check_scale(scale: str) -> None:
+    """Refuse an unknown importance scaling."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown importance_scale {scale!r}; available: {', '.join(SCALES)}")
+
+
 def layer_rates(
     importance: Sequence[float],
     budget: Budget,
@@ -39,17 +47,25 @@ def layer_rates(
     alpha: float = 1.0,
     freeze_top_n: int = 0,
     rate_range: Sequence[float] = (0.0, 1.0),
+    scale: str = "minmax",
 ) -> list[float]:
     """Per-layer removal fractions of the prunable parameters that together meet the budget exactly."""
     check_strategy(strategy, alpha, freeze_top_n, rate_range)
+    check_scale(scale)
     n = budget.num_layers
     if len(importance) != n:
         raise ValueError(f"layer importance has {len(importance)} values for {n} layers")
     if freeze_top_n >= n:
         raise ValueError(f"freeze_top_n={freeze_top_n} freezes every layer (the model has {n}); nothing left to prune")
     imp = [float(v) for v in importance]
-    lo_v, hi_v = min(imp), max(imp)
-    z = [(v - lo_v) / (hi_v - lo_v) if hi_v > lo_v else 0.0 for v in imp]
+    if scale == "rank":
+        ranks = sorted(range(n), key=lambda i: (imp[i], i))
+        z = [0.0] * n
+        for r, i in enumerate(ranks):
+            z[i] = r / (n - 1) if n > 1 else 0.0
+    else:
+        lo_v, hi_v = min(imp), max(imp)
+        z = [(v - lo_v) / (hi_v - lo_v) if hi_v > lo_v else 0.0 for v in imp]
     sign = {"inverse": -1.0, "proportional": 1.0, "uniform": 0.0}[strategy]
     w = [math.exp(sign * alpha * zi) for zi in z]
     frozen = set(sorted(range(n), key=lambda i: (-imp[i], i))[:freeze_top_n])

@@ -39,6 +39,7 @@ class PruningCallback(L.Callback):
         layer_importance: str = "block_influence",
         strategy: str = "inverse",
         alpha: float = 1.0,
+        importance_scale: str = "minmax",
         freeze_top_n: int = 0,
         rate_range: list[float] | None = None,
         attn_mlp_split: str | None = None,
@@ -53,8 +54,8 @@ class PruningCallback(L.Callback):
         plot_layer_importance: bool = True,
     ) -> None:
         """Allocation options (see docs/methods.md): `layer_importance` (removal | activation_change |
-        block_influence) feeds `layerwise` and `depth`; `strategy`/`alpha`/`freeze_top_n`/`rate_range` shape
-        layerwise rates; `attn_mlp_split` is "x:y" or "auto" (searched on calibration text with `split_*`);
+        block_influence) feeds `layerwise` and `depth`; `strategy`/`alpha`/`importance_scale`/
+        `freeze_top_n`/`rate_range` shape layerwise rates; `attn_mlp_split` is "x:y" or "auto" (searched on calibration text with `split_*`);
         `align_channels` rounds kept MLP channels to a multiple; `block_importance` (units | removal) ranks
         sub-blocks for `blockwise`; `fill_width` lets blockwise/depth width-prune the remainder;
         `report_layer_importance` lists measures to record and plot (default: block_influence, activation_change).
@@ -67,14 +68,16 @@ class PruningCallback(L.Callback):
         report_li = (["block_influence", "activation_change"] if report_layer_importance is None
                      else list(report_layer_importance))
         check_allocation_options(allocation, strategy, alpha, freeze_top_n, rate_range, attn_mlp_split, align_channels,
-                                 layer_importance, block_importance, split_step, split_fine_step, split_patience)
+                                 layer_importance, block_importance, split_step, split_fine_step, split_patience,
+                                 importance_scale)
         for name in report_li:
             check_allocation_options(layer_importance=name)
         if importance_batches is not None and importance_batches < 1:
             raise ValueError(f"importance_batches must be >= 1 or null (all calibration batches), "
                              f"got {importance_batches}")
         self.allocation_args = {
-            "layer_importance": layer_importance, "strategy": strategy, "alpha": alpha, "freeze_top_n": freeze_top_n,
+            "layer_importance": layer_importance, "strategy": strategy, "alpha": alpha,
+            "importance_scale": importance_scale, "freeze_top_n": freeze_top_n,
             "rate_range": rate_range, "attn_mlp_split": attn_mlp_split, "align_channels": align_channels,
             "block_importance": block_importance, "fill_width": fill_width, "split_step": split_step,
             "split_fine_step": split_fine_step, "split_patience": split_patience,
