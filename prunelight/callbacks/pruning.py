@@ -53,11 +53,14 @@ class PruningCallback(L.Callback):
         report_layer_importance: list[str] | None = None,
         plot_layer_importance: bool = True,
     ) -> None:
-        """Allocation options (see docs/methods.md): `layer_importance` (removal | activation_change |
-        block_influence) feeds `layerwise` and `depth`; `strategy`/`alpha`/`importance_scale`/
-        `freeze_top_n`/`rate_range` shape layerwise rates; `attn_mlp_split` is "x:y" or "auto" (searched on calibration text with `split_*`);
+        """Allocation options (all in docs/methods.md).
+
+        `layer_importance` (removal | activation_change | block_influence) feeds `layerwise` and `depth`;
+        `strategy`, `alpha`, `importance_scale`, `freeze_top_n` and `rate_range` shape layerwise rates;
+        `attn_mlp_split` is "x:y" or "auto" (searched on calibration text with the `split_*` settings);
         `align_channels` rounds kept MLP channels to a multiple; `block_importance` (units | removal) ranks
         sub-blocks for `blockwise`; `fill_width` lets blockwise/depth width-prune the remainder;
+        `importance_batches` caps the batches for layer importance and the split search;
         `report_layer_importance` lists measures to record and plot (default: block_influence, activation_change).
         """
         super().__init__()
