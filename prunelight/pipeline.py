@@ -67,6 +67,7 @@ def make_plan(
     precheck(model, ratio, allocation, args.get("min_groups", 1), args.get("min_channels", 1),
              args.get("freeze_top_n", 0), args.get("rate_range", (0.0, 1.0)), split)
 
+    batches = list(batches)  # read more than once: calibration, layer importance, split search
     crit = build_criterion(criterion, **(criterion_args or {}))
     scores = run_calibration(model, batches if crit.needs_data else [], crit, reduce_sum, max_batches)
     n_imp = importance_batches if importance_batches is not None else max_batches
