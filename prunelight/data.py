@@ -189,7 +189,8 @@ class PruneDataModule(L.LightningDataModule):
             "train_eval_fraction": frac_t,
             "same_source": sorted(same),
         }
-        bad = same or frac_c > 0.01 or frac_t > 0.01
+        bad = bool(same) or frac_c > 0.01 or frac_t > 0.01
+        self.overlap.update(flagged=bad, allowed=self.allow_overlap)  # the report shows a banner when flagged
         if bad and not self.allow_overlap:
             raise ValueError(
                 "calibration/training text overlaps the evaluation text "

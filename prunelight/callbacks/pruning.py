@@ -83,6 +83,7 @@ class PruningCallback(L.Callback):
         base = pl_module.base_model
         params_before = count_params(base)
 
+        _notify(trainer, pl_module, "before_cut")  # e.g. ExportCallback evaluates the dense model here
         t0 = time.perf_counter()
         ppl_dense = self._eval_ppl(trainer, pl_module)
         times["eval_dense"] = time.perf_counter() - t0
@@ -115,6 +116,7 @@ class PruningCallback(L.Callback):
         ppl_pruned = self._eval_ppl(trainer, pl_module)
         times["eval_pruned"] = time.perf_counter() - t0
 
+        _notify(trainer, pl_module, "after_cut")
         pl_module.start_recovery()
         _rebuild_training_state(trainer, pl_module)
 
@@ -148,6 +150,14 @@ class PruningCallback(L.Callback):
             ppl_dense and round(ppl_dense["ppl"], 2),
             ppl_pruned and round(ppl_pruned["ppl"], 2),
         )
+
+
+def _notify(trainer: L.Trainer, pl_module, hook: str) -> None:
+    """Call `hook(trainer, pl_module)` on every callback that defines it (before_cut / after_cut)."""
+    for cb in trainer.callbacks:
+        fn = getattr(cb, hook, None)
+        if callable(fn):
+            fn(trainer, pl_module)
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
