@@ -39,10 +39,10 @@ def parameter_breakdown(model: nn.Module) -> dict:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers as held in memory (≈ safetensors size)."""
+    """Bytes of all parameters as held in memory (≈ safetensors size; tied weights counted once)."""
     base = unwrap(model)
     ptrs, n = set(), 0
-    for t in list(base.parameters()) + list(base.buffers()):
+    for t in base.parameters():
         if t.data_ptr() not in ptrs:
             ptrs.add(t.data_ptr())
             n += t.numel() * t.element_size()
