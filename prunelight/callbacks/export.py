@@ -41,6 +41,9 @@ class ExportCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if trainer.fast_dev_run:
             self.max_eval_batches = 1
+        if stage == "fit" and self.evaluation is not None and trainer.datamodule is not None:
+            trainer.datamodule.setup(stage)  # its own overlap guard first, then the suite's (fail before any work)
+            self._suite(trainer, pl_module)
 
     # --- the full evaluation --------------------------------------------------------------------
     def _suite(self, trainer, pl_module) -> Evaluator | None:
@@ -48,6 +51,8 @@ class ExportCallback(L.Callback):
             return None
         if self._evaluator is None:
             tok = pl_module.load_tokenizer()
+            if tok is None:
+                raise ValueError("the evaluation needs a tokenizer: model.pretrained must be a folder or hub id with one")
             self._evaluator = Evaluator(self.evaluation, tok)
             if self.evaluation.perplexity:
                 self._check_suite_overlap(trainer, pl_module)
@@ -142,9 +147,11 @@ class ExportCallback(L.Callback):
                 export_pretrained(pl_module.model, self.out_dir / "model", tokenizer=tok)
                 times["export"] = time.perf_counter() - t0
                 report["export_dir"] = str(self.out_dir / "model")
-            if pl_module.plan is not None:  # no cut happened otherwise: "recovered" would be the dense model
+            if pl_module.plan is not None:
                 self._run_suite(trainer, pl_module, "recovered", folder=report.get("export_dir"))
                 self._record_similarity(trainer, pl_module, "recovered")
+            elif "dense" not in report.get("evaluation", {}):  # nothing was cut: the model is still dense
+                self._run_suite(trainer, pl_module, "dense", folder=report.get("export_dir"))
             if self.figures:
                 report["figures"] = write_figures(report, pl_module.plan, self.out_dir)
             write_report(report, self.out_dir)
