@@ -40,7 +40,7 @@ def export_config(model: nn.Module):
             config = stock_cls(**{**data, **shapes[0].as_dict()})
             config.architectures = [model_cls.__mro__[2].__name__]
             return config
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - huggingface_hub raises its own validation error class
             # e.g. transformers' LlamaConfig insists hidden_size % num_attention_heads == 0.
             log.warning("uniform shapes do not pass stock %s validation (%s); saving a prunelight config", stock_cls.__name__, err)
     config = pruned_cls(**data, layer_shapes=[s.as_dict() for s in shapes])

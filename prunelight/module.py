@@ -42,7 +42,9 @@ class PruneLM(L.LightningModule):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         check_mode(recovery)
-        self.save_hyperparameters()
+        # Plain types only: Lightning restores checkpoints with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = (lora or LoRASettings()).as_dict()
         self.pretrained, self.model_config = pretrained, config
         self.dtype_name = dtype
         self.attn_implementation = attn_implementation
@@ -135,7 +137,9 @@ class PruneLM(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.recovery == "none" and self.plan is not None:
+            return None  # prune-only run: nothing to train; the PruningCallback stops the loop
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(

@@ -119,6 +119,9 @@ class PruningCallback(L.Callback):
         _notify(trainer, pl_module, "after_cut")
         pl_module.start_recovery()
         _rebuild_training_state(trainer, pl_module)
+        if pl_module.recovery == "none":
+            # Nothing will step the optimizer, so global_step (and max_steps) would never advance: stop here.
+            trainer.should_stop = True
 
         report["params_before"] = params_before
         report["params_after"] = count_params(pl_module.base_model)

@@ -1,0 +1,75 @@
+"""The command line: every shipped YAML parses, and a fast_dev_run smoke test really cuts the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prunelight.cli import cli_main
+from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml"))
+PRESETS = sorted((ROOT / "callbacks").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_configs_parse(config, capsys):
+    subcommand = "fit"
+    with pytest.raises(SystemExit) as exc:
+        cli_main([subcommand, "--config", str(config), "--print_config"])
+    assert exc.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["pretrained"] and printed["trainer"]
+
+
+def test_callback_presets_compose(capsys):
+    base = ROOT / "configs" / "reference.yaml"
+    args = ["fit", "--config", str(base)]
+    for preset in PRESETS:
+        args += ["--config", str(preset)]
+    with pytest.raises(SystemExit):
+        cli_main(args + ["--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    names = [c["class_path"].rsplit(".", 1)[-1] for c in printed["trainer"]["callbacks"]]
+    # reference.yaml has Pruning + Export; the presets append Pruning, Export and ModelCheckpoint
+    assert names.count("PruningCallback") == 2 and "ModelCheckpoint" in names
+    stems = [p.stem for p in PRESETS]
+    assert stems.index("lora") > stems.index("full")
+    assert printed["model"]["recovery"] == "lora", "lora.yaml comes after full.yaml, so its value wins"
+
+
+def test_fast_dev_run_smoke_cuts_the_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    files = write_tiny_corpus(tmp_path / "data")
+    out = tmp_path / "run"
+    cli = cli_main([
+        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
+        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
+        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
+        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
+        "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.callbacks.out_dir={out}",
+    ])
+    module = cli.model
+    assert module.plan is not None, "surgery must run under fast_dev_run"
+    report = json.loads((out / "report.json").read_text())
+    assert report["params_after"] < report["params_before"]
+    assert report["plan"]["removed_fraction_total"] >= 0.2
+    assert (out / "model" / "config.json").exists()
+
+
+def test_seq_len_beyond_context_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama", max_position_embeddings=64)
+    files = write_tiny_corpus(tmp_path / "data")
+    with pytest.raises(ValueError, match=r"seq_len=128 exceeds the model's context \(max_position_embeddings=64\)"):
+        cli_main([
+            "fit", "--config", str(ROOT / "configs" / "reference.yaml"), f"--model.pretrained={ckpt}",
+            f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
+            f"--data.train.path={files['train']}", "--trainer.fast_dev_run=true", "--trainer.logger=false",
+        ])

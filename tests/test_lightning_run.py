@@ -1,0 +1,142 @@
+"""The Lightning run: cut inside fit, LoRA recovery and merge, checkpoints that resume after the cut."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from prunelight.callbacks import ExportCallback, PruningCallback
+from prunelight.data import PruneDataModule, TextSource
+from prunelight.module import PruneLM
+from prunelight.recovery import LoRASettings, add_lora, merge_lora
+from prunelight.testing import tiny_config, tiny_model, tiny_tokenizer, write_tiny_corpus
+
+
+def _module(recovery="lora"):
+    cfg = tiny_config("llama").to_dict()
+    cfg = {k: cfg[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")}
+    return PruneLM(config=cfg, recovery=recovery, attn_implementation="eager", lora=LoRASettings(r=4, alpha=8, dropout=0.0),
+                   learning_rate=1e-2)
+
+
+def _dm(tmp_path):
+    files = write_tiny_corpus(tmp_path / "data")
+    dm = PruneDataModule(calibration=TextSource(path=str(files["valid"])), eval=TextSource(path=str(files["test"])),
+                         train=TextSource(path=str(files["train"])), num_samples=8, seq_len=16, batch_size=4,
+                         max_eval_blocks=4)
+    dm.set_tokenizer(tiny_tokenizer())
+    return dm
+
+
+def _trainer(tmp_path, max_steps, callbacks, **kw):
+    return L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, limit_val_batches=0,
+                     num_sanity_val_steps=0, callbacks=callbacks, **kw)
+
+
+def test_lora_merge_preserves_function():
+    model = tiny_model("llama")
+    peft_model = add_lora(model, LoRASettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # B starts at zero; make the adapters do something
+        ids = torch.randint(3, 128, (2, 10))
+        before = peft_model(ids).logits
+        merged = merge_lora(peft_model)
+        after = merged(ids).logits
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
+    torch.manual_seed(0)
+    module, dm = _module(), _dm(tmp_path)
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    prune_cb = PruningCallback(ratio=0.25, criterion="taylor", prune_step=1)
+    trainer = _trainer(tmp_path, 4, [prune_cb, ckpt_cb, ExportCallback(out_dir=str(tmp_path / "run"))])
+    trainer.fit(module, dm)
+
+    report = module.run_report
+    assert prune_cb.pruned and report["calibration"]["prune_step"] == 1
+    assert report["params_after"] < report["params_before"]
+    assert {"dense", "pruned", "recovered"} <= set(report["ppl"])
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists() and (tmp_path / "run" / "report.json").exists()
+    assert not module.lora_active, "LoRA must be merged at the end"
+
+    # Resume from the checkpoint written after the cut: a fresh dense module must come back pruned + LoRA.
+    last = tmp_path / "ckpt" / "last.ckpt"
+    state = torch.load(last, weights_only=False)
+    assert state["prunelight"]["plan"] is not None and state["prunelight"]["lora"] is not None
+    resumed, dm2 = _module(), _dm(tmp_path / "b")
+    prune_cb2 = PruningCallback(ratio=0.25, criterion="taylor", prune_step=1)
+    trainer2 = _trainer(tmp_path / "b", 6, [prune_cb2])
+    trainer2.fit(resumed, dm2, ckpt_path=last)
+    assert trainer2.global_step == 6
+    assert resumed.plan.to_dict() == module.plan.to_dict(), "the plan must come back from the checkpoint"
+    assert prune_cb2.pruned and "calibration" in resumed.run_report
+    shapes = [layer.mlp.down_proj.in_features for layer in resumed.base_model.model.layers]
+    assert shapes == [len(lp.keep_channels) for lp in module.plan.layers]
+
+
+def test_full_finetune_recovery_trains_all_weights(tmp_path):
+    module, dm = _module(recovery="full"), _dm(tmp_path)
+    trainer = _trainer(tmp_path, 3, [PruningCallback(ratio=0.2, criterion="magnitude", prune_step=0, evaluate=False)])
+    trainer.fit(module, dm)
+    # all parameters are trainable and the optimizer holds the pruned ones
+    params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert params == {id(p) for p in module.model.parameters()}
+
+
+def test_prune_only_run_stops_after_the_cut(tmp_path):
+    module, dm = _module(recovery="none"), _dm(tmp_path)
+    trainer = _trainer(tmp_path, 100, [PruningCallback(ratio=0.2, criterion="taylor"),
+                                       ExportCallback(out_dir=str(tmp_path / "run"))])
+    trainer.fit(module, dm)
+    assert module.plan is not None and trainer.global_step <= 1, "the loop must stop right after the cut"
+    assert module.run_report["ppl"]["recovered"] == pytest.approx(module.run_report["ppl"]["pruned"])
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
+
+
+def test_nan_weights_give_clear_error(tmp_path):
+    module, dm = _module(), _dm(tmp_path)
+    module.configure_model()
+    with torch.no_grad():
+        module.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    trainer = _trainer(tmp_path, 2, [PruningCallback(ratio=0.2, criterion="taylor")])
+    with pytest.raises(FloatingPointError, match="NaN|nan|non-finite"):
+        trainer.fit(module, dm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"ratio": 1.2}, r"ratio must be a fraction of parameters in \(0, 1\), got 1.2"),
+        ({"criterion": "taylorr"}, "unknown importance criterion 'taylorr'; available:"),
+        ({"allocation": "everywhere"}, "unknown allocation 'everywhere'"),
+        ({"prune_step": -1}, "prune_step must be >= 0"),
+    ],
+)
+def test_bad_callback_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PruningCallback(**kwargs)
+
+
+def test_unknown_architecture_and_bad_module_settings():
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='gpt2'; prunelight supports: llama"):
+        PruneLM(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}).configure_model()
+    with pytest.raises(ValueError, match="unknown recovery mode 'qlora'"):
+        PruneLM(recovery="qlora")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        PruneLM(dtype="fp8")
+
+
+def test_module_deepcopy_free_of_trainer_state():
+    # A module built from a config holds no trainer/global state and can be copied before fit.
+    m = _module()
+    m.configure_model()
+    assert copy.deepcopy(m).model is not m.model
