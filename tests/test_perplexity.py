@@ -94,3 +94,10 @@ def test_bad_inputs_fail_early():
         PerplexityData.build(tiny_tokenizer(), {"x": TextSource(path="x")}, seq_lens=[1])
     with pytest.raises(ValueError, match="at least one scored token"):
         evaluate_perplexity(tiny_model("llama"), [])
+
+
+def test_hub_defaults_name_what_they_read():
+    sets = resolve_sets(["wikitext2", "ptb", "c4"])
+    assert sets["wikitext2"].describe() == "Salesforce/wikitext/wikitext-2-raw-v1:test"
+    assert sets["ptb"].split == "test" and sets["c4"].split == "validation"
+    assert sets["c4"].data_files.endswith("c4-validation.00000-of-00008.json.gz")  # one shard, not all of C4

@@ -17,9 +17,11 @@ from prunelight.metrics import TokenPerplexity
 
 # Hub defaults (the usual pruning-paper sets); local files are given as TextSource(path=...).
 HUB_SETS: dict[str, TextSource] = {
-    "wikitext2": TextSource(dataset="wikitext", name="wikitext-2-raw-v1", split="test", text_field="text"),
-    "ptb": TextSource(dataset="ptb_text_only", name="penn_treebank", split="test", text_field="sentence"),
-    "c4": TextSource(dataset="allenai/c4", name="en", split="validation", text_field="text", max_tokens=256 * 2048),
+    "wikitext2": TextSource(dataset="Salesforce/wikitext", name="wikitext-2-raw-v1", split="test", text_field="text"),
+    "ptb": TextSource(dataset="ptb-text-only/ptb_text_only", name="penn_treebank", split="test", text_field="sentence"),
+    # The first validation shard only (as SparseGPT/Wanda do), not the whole multi-terabyte dataset.
+    "c4": TextSource(dataset="allenai/c4", split="validation", text_field="text", max_tokens=256 * 2048,
+                     data_files="en/c4-validation.00000-of-00008.json.gz"),
 }
 
 
