@@ -39,6 +39,7 @@ def _config(tmp_path, allow_overlap=False, eval_text=None) -> dict:
                  "train": {"path": str(files["train"])}, "num_samples": 8, "seq_len": 16, "batch_size": 4,
                  "allow_overlap": allow_overlap},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_checkpointing": False,
+                    "default_root_dir": str(tmp_path),
                     "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_progress_bar": False,
                     "callbacks": [
                         {"class_path": "prunelight.callbacks.PruningCallback",
