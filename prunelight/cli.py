@@ -19,9 +19,14 @@ class PrunelightCLI(LightningCLI):
         parser.link_arguments("model.pretrained", "data.tokenizer")
 
 
-def cli_main(args: list[str] | None = None, run: bool = True) -> PrunelightCLI:
-    """Entry point; `args` lets tests call it in-process."""
-    _env.offline_if_local(sys.argv[1:] if args is None else args)
+def cli_main(args: list[str] | None = None, run: bool = True):
+    """Entry point; `args` lets tests call it in-process. `evaluate` goes to prunelight.evaluation.command."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "evaluate":
+        from prunelight.evaluation.command import evaluate_main
+
+        return evaluate_main(argv[1:])
+    _env.offline_if_local(argv)
     return PrunelightCLI(
         PruneLM,
         PruneDataModule,

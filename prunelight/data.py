@@ -26,6 +26,7 @@ class TextSource:
     split: str = "train"
     text_field: str = "text"
     max_tokens: int | None = None  # stop reading once this many tokens are available
+    data_files: str | None = None  # hub dataset file(s) to read instead of the whole dataset (e.g. one C4 shard)
 
     def describe(self) -> str:
         """Short human-readable identity for reports."""
@@ -62,7 +63,8 @@ class TextSource:
         if self.dataset:
             from datasets import load_dataset
 
-            ds = load_dataset(self.dataset, self.name, split=self.split)
+            kwargs = {"data_files": {self.split: self.data_files}} if self.data_files else {}
+            ds = load_dataset(self.dataset, self.name, split=self.split, **kwargs)
             return list(ds[self.text_field])
         raise ValueError("a text source needs either `path` (local files) or `dataset` (hub id)")
 
@@ -189,7 +191,8 @@ class PruneDataModule(L.LightningDataModule):
             "train_eval_fraction": frac_t,
             "same_source": sorted(same),
         }
-        bad = same or frac_c > 0.01 or frac_t > 0.01
+        bad = bool(same) or frac_c > 0.01 or frac_t > 0.01
+        self.overlap.update(flagged=bad, allowed=self.allow_overlap)  # the report shows a banner when flagged
         if bad and not self.allow_overlap:
             raise ValueError(
                 "calibration/training text overlaps the evaluation text "

@@ -17,36 +17,124 @@ def _fmt(x, nd: int = 2) -> str:
     return str(x)
 
 
+MODELS = ("dense", "pruned", "recovered")
+
+
+def overlap_warning(report: dict) -> str | None:
+    """A loud one-line warning when calibration/training text overlaps the evaluation text."""
+    ov = report.get("overlap") or {}
+    if not ov.get("flagged"):
+        return None
+    return (f"**WARNING: calibration/training text OVERLAPS the evaluation text** (same source: "
+            f"{', '.join(ov.get('same_source') or []) or 'no'}; {ov.get('calibration_eval_shared_lines', 0)} calibration "
+            f"and {ov.get('train_eval_shared_lines', 0)} training lines also in eval). Perplexity is optimistic; "
+            "the run was allowed by `allow_overlap`.")
+
+
+def _evaluation_sections(ev: dict) -> list[str]:
+    names = [m for m in MODELS if m in ev] + [m for m in ev if m not in MODELS and isinstance(ev[m], dict)
+                                              and ("perplexity" in ev[m] or "zeroshot" in ev[m] or "efficiency" in ev[m])]
+    if not names:
+        return []
+    lines: list[str] = []
+    ppl_rows = {}
+    for m in names:
+        for r in ev[m].get("perplexity", []):
+            ppl_rows.setdefault((r["dataset"], r["seq_len_requested"]), {})[m] = r
+    if ppl_rows:
+        lines += ["", "## Perplexity", "",
+                  "Token-weighted, non-overlapping windows, fp32 loss; tokens = scored tokens (window length - 1 per window).", "",
+                  "| dataset | split / source | length (requested -> used) | tokens | " + " | ".join(names) + " |",
+                  "|---|---|---|---:|" + "---:|" * len(names)]
+        for (ds, req), per in ppl_rows.items():
+            r0 = next(iter(per.values()))
+            lines.append(f"| {ds} | {r0.get('split') or r0['source']} | {req} -> {r0['seq_len']} | {_fmt(r0['tokens'])} | "
+                         + " | ".join(_fmt(per[m]['ppl']) if m in per else "n/a" for m in names) + " |")
+    zs = {m: ev[m]["zeroshot"] for m in names if "zeroshot" in ev[m]}
+    if zs:
+        z0 = next(iter(zs.values()))
+        lines += ["", "## Zero-shot accuracy", "",
+                  f"lm-eval {z0.get('lm_eval_version')}, {z0.get('mode')} tasks"
+                  + (f" from `{z0['data_dir']}`" if z0.get("data_dir") else "")
+                  + (f", limit {z0['limit']} rows per task" if z0.get("limit") else ", full sets") + ", 0-shot.", "",
+                  "| task | metric | rows | version | " + " | ".join(zs) + " |",
+                  "|---|---|---:|---|" + "---:|" * len(zs)]
+        for task, row in z0["tasks"].items():
+            for metric in ("acc", "acc_norm"):
+                if metric in row:
+                    lines.append(f"| {task} | {metric} | {row.get('samples')} | {row.get('version')} | "
+                                 + " | ".join(_fmt(z['tasks'][task].get(metric), 4) for z in zs.values()) + " |")
+        for key, label in (("acc", "average acc"), ("acc_norm_else_acc", "average (acc_norm where defined)")):
+            lines.append(f"| **{label}** | | | | " + " | ".join(_fmt(z['average'][key], 4) for z in zs.values()) + " |")
+    eff = {m: ev[m]["efficiency"] for m in names if "efficiency" in ev[m]}
+    if eff:
+        sp = next(iter(eff.values()))["speed"]
+        lines += ["", "## Efficiency", "",
+                  f"Measured the same way for every model: batch {sp['batch_size']}, prompt {sp['prompt_len']} tokens, "
+                  f"{sp['new_tokens']} decoded tokens, median of {sp['repeats']}, {sp['device']}, {sp['dtype']}, "
+                  f"{sp['threads']} threads. Peak memory: {sp['peak_memory_kind']}.", "",
+                  "| | " + " | ".join(eff) + " |", "|---|" + "---:|" * len(eff)]
+        rows = [("parameters", lambda e: e["params"]["total"]),
+                ("attention params", lambda e: e["params"]["attention"]),
+                ("MLP params", lambda e: e["params"]["mlp"]),
+                ("embedding + LM head params", lambda e: e["params"]["embeddings"] + e["params"]["lm_head"]),
+                ("weights in memory (MB)", lambda e: e["weight_bytes"] / 1e6),
+                ("size on disk (MB)", lambda e: None if e.get("disk_bytes") is None else e["disk_bytes"] / 1e6),
+                ("KV cache (MB)", lambda e: e["speed"]["kv_cache_bytes"] / 1e6),
+                ("peak memory (MB)", lambda e: None if e["speed"]["peak_memory_bytes"] is None else e["speed"]["peak_memory_bytes"] / 1e6),
+                ("prefill tokens/s", lambda e: e["speed"]["prefill_tokens_per_s"]),
+                ("decode tokens/s", lambda e: e["speed"]["decode_tokens_per_s"]),
+                ("decode latency (ms/token)", lambda e: e["speed"]["decode_latency_ms_per_token"])]
+        for label, fn in rows:
+            lines.append(f"| {label} | " + " | ".join(_fmt(fn(e)) for e in eff.values()) + " |")
+    sim = ev.get("hidden_similarity")
+    if sim:
+        lines += ["", "## Hidden-state similarity to dense (mean cosine, last hidden state)", ""]
+        lines += [f"- {m}: {_fmt(v[-1], 4)} (lowest {_fmt(min(v), 4)} at hidden state {v.index(min(v))})" for m, v in sim.items()]
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     """A short human-readable summary of a run report."""
     ppl = report.get("ppl", {})
     plan = report.get("plan", {})
     cal = report.get("calibration", {})
+    warn = overlap_warning(report)
     lines = [
         "# prunelight report",
         "",
+        *([warn, ""] if warn else []),
         f"Model: `{report.get('model', 'n/a')}`  ",
-        f"Criterion: `{cal.get('criterion')}`, allocation: `{cal.get('allocation')}`, target ratio: {cal.get('ratio')}  ",
-        f"Calibration: {cal.get('samples')} samples x {cal.get('seq_len')} tokens from `{cal.get('source')}` (seed {cal.get('seed')})  ",
-        f"Evaluation: `{report.get('eval', {}).get('source')}`, {report.get('eval', {}).get('seq_len')} tokens per window",
-        "",
-        "| | params | perplexity |",
-        "|---|---:|---:|",
-        f"| dense | {_fmt(report.get('params_before'))} | {_fmt(ppl.get('dense'))} |",
-        f"| pruned | {_fmt(report.get('params_after'))} | {_fmt(ppl.get('pruned'))} |",
-        f"| recovered | {_fmt(report.get('params_after'))} | {_fmt(ppl.get('recovered'))} |",
-        "",
-        f"Removed {_fmt(plan.get('params_removed'))} parameters = {100 * plan.get('removed_fraction_total', 0):.2f}% of the "
-        f"model, {100 * plan.get('removed_fraction_decoder', 0):.2f}% of the decoder layers "
-        f"(target {_fmt(plan.get('params_target_removed'))}; off by {_fmt(plan.get('budget_error_params'))}).",
-        "",
-        "| layer | attention heads | KV heads | MLP channels |",
-        "|---:|---:|---:|---:|",
+        *([f"Criterion: `{cal.get('criterion')}`, allocation: `{cal.get('allocation')}`, target ratio: {cal.get('ratio')}  "] if cal else []),
     ]
+    if plan or ppl:
+        lines += [
+            f"Calibration: {cal.get('samples')} samples x {cal.get('seq_len')} tokens from `{cal.get('source')}` (seed {cal.get('seed')})  ",
+            f"Evaluation: `{report.get('eval', {}).get('source')}`, {report.get('eval', {}).get('seq_len')} tokens per window",
+            "",
+            "| | params | perplexity |",
+            "|---|---:|---:|",
+            f"| dense | {_fmt(report.get('params_before'))} | {_fmt(ppl.get('dense'))} |",
+            f"| pruned | {_fmt(report.get('params_after'))} | {_fmt(ppl.get('pruned'))} |",
+            f"| recovered | {_fmt(report.get('params_after'))} | {_fmt(ppl.get('recovered'))} |",
+        ]
+    if plan:
+        lines += [
+            "",
+            f"Removed {_fmt(plan.get('params_removed'))} parameters = {100 * plan.get('removed_fraction_total', 0):.2f}% of the "
+            f"model, {100 * plan.get('removed_fraction_decoder', 0):.2f}% of the decoder layers "
+            f"(target {_fmt(plan.get('params_target_removed'))}; off by {_fmt(plan.get('budget_error_params'))}).",
+        ]
+    if report.get("layers"):
+        lines += ["", "| layer | attention heads | KV heads | MLP channels |", "|---:|---:|---:|---:|"]
     for i, layer in enumerate(report.get("layers", [])):
         lines.append(
             f"| {i} | {layer['num_attention_heads']} | {layer['num_key_value_heads']} | {layer['intermediate_size']} |"
         )
+    lines += _evaluation_sections(report.get("evaluation") or {})
+    figs = report.get("figures") or {}
+    if figs:
+        lines += ["", "## Figures", ""] + [f"![{name}]({fname})" for name, fname in figs.items()]
     times = report.get("times_s", {})
     if times:
         lines += ["", "Wall times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())]

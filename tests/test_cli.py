@@ -18,12 +18,15 @@ PRESETS = sorted((ROOT / "callbacks").glob("*.yaml"))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_configs_parse(config, capsys):
-    subcommand = "fit"
+    subcommand = "evaluate" if config.stem == "evaluate" else "fit"
     with pytest.raises(SystemExit) as exc:
         cli_main([subcommand, "--config", str(config), "--print_config"])
     assert exc.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["pretrained"] and printed["trainer"]
+    if subcommand == "evaluate":
+        assert printed["models"] and printed["evaluation"]["tasks"]
+    else:
+        assert printed["model"]["pretrained"] and printed["trainer"]
 
 
 def test_callback_presets_compose(capsys):

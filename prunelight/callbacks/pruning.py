@@ -133,6 +133,7 @@ class PruningCallback(L.Callback):
         precheck(base, self.ratio, self.allocation, self.min_groups, self.min_channels, a["freeze_top_n"],
                  a["rate_range"], a["attn_mlp_split"])
 
+        _notify(trainer, pl_module, "before_cut")  # e.g. ExportCallback evaluates the dense model here
         t0 = time.perf_counter()
         ppl_dense = self._eval_ppl(trainer, pl_module)
         times["eval_dense"] = time.perf_counter() - t0
@@ -166,6 +167,7 @@ class PruningCallback(L.Callback):
         ppl_pruned = self._eval_ppl(trainer, pl_module)
         times["eval_pruned"] = time.perf_counter() - t0
 
+        _notify(trainer, pl_module, "after_cut")
         pl_module.start_recovery()
         _rebuild_training_state(trainer, pl_module)
         if pl_module.recovery == "none":
@@ -218,6 +220,14 @@ class PruningCallback(L.Callback):
         out = out or trainer.log_dir or trainer.default_root_dir
         path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
         report["layer_importance_plot"] = str(path)
+
+
+def _notify(trainer: L.Trainer, pl_module, hook: str) -> None:
+    """Call `hook(trainer, pl_module)` on every callback that defines it (before_cut / after_cut)."""
+    for cb in trainer.callbacks:
+        fn = getattr(cb, hook, None)
+        if callable(fn):
+            fn(trainer, pl_module)
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:

@@ -1,0 +1,119 @@
+"""Report figures (PNG, matplotlib Agg, written atomically): what was kept, why, and what it changed."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+import torch
+
+from prunelight.plan import PrunePlan
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Render with the Agg canvas (no GUI backend, no pyplot state) to a temp file, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def plot_kept_units(plan: PrunePlan, path: str | Path) -> Path:
+    """Kept GQA groups (KV heads) and MLP channels per layer, as counts against the original."""
+    layers = list(range(plan.num_layers))
+    fig = Figure(figsize=(9, 3.4))
+    for ax, kept, total, title in (
+        (fig.add_subplot(1, 2, 1), [len(lp.keep_groups) for lp in plan.layers], plan.num_groups, "KV-head groups"),
+        (fig.add_subplot(1, 2, 2), [len(lp.keep_channels) for lp in plan.layers], plan.num_channels, "MLP channels"),
+    ):
+        ax.bar(layers, total, color="#dddddd", label="original")
+        ax.bar(layers, kept, color="#3b75af", label="kept")
+        ax.set_xlabel("layer")
+        ax.set_title(f"kept {title} per layer")
+        ax.legend(fontsize=8)
+    return _save(fig, Path(path))
+
+
+def plot_layer_importance(layer_importance: dict[str, list[float]], path: str | Path) -> Path:
+    """One line per importance measure over layers."""
+    fig = Figure(figsize=(6, 3.4))
+    ax = fig.add_subplot(1, 1, 1)
+    for name, values in layer_importance.items():
+        ax.plot(range(len(values)), values, marker="o", label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("importance")
+    ax.set_title("layer importance")
+    ax.legend(fontsize=8)
+    return _save(fig, Path(path))
+
+
+def kept_removed_scores(unit_scores: dict, plan: PrunePlan) -> dict[str, tuple[list[float], list[float]]]:
+    """Per unit kind ("attn" groups, "mlp" channels): scores of kept units and of removed units."""
+    out = {}
+    for kind, attr in (("attn", "keep_groups"), ("mlp", "keep_channels")):
+        kept, removed = [], []
+        for layer, scores in enumerate(unit_scores.get(kind, [])):
+            keep = set(getattr(plan.layers[layer], attr))
+            for i, s in enumerate(scores):
+                (kept if i in keep else removed).append(float(s))
+        out[kind] = (kept, removed)
+    return out
+
+
+def plot_importance_distribution(unit_scores: dict, plan: PrunePlan, path: str | Path) -> Path:
+    """Histograms of unit importance, kept vs removed (log10 of the score; zero scores clipped)."""
+    split = kept_removed_scores(unit_scores, plan)
+    fig = Figure(figsize=(9, 3.4))
+    for k, (kind, (kept, removed)) in enumerate(split.items()):
+        ax = fig.add_subplot(1, 2, k + 1)
+        floor = min([s for s in kept + removed if s > 0] or [1e-12])
+        to_log = lambda xs: torch.tensor(xs or [floor]).clamp(min=floor).log10().tolist()  # noqa: E731
+        bins = 40
+        ax.hist(to_log(kept), bins=bins, alpha=0.6, color="#3b75af", label=f"kept ({len(kept)})")
+        if removed:
+            ax.hist(to_log(removed), bins=bins, alpha=0.6, color="#d1495b", label=f"removed ({len(removed)})")
+        ax.set_xlabel("log10 importance")
+        ax.set_title({"attn": "attention groups", "mlp": "MLP channels"}[kind])
+        ax.legend(fontsize=8)
+    return _save(fig, Path(path))
+
+
+def plot_hidden_similarity(similarity: dict[str, list[float]], path: str | Path) -> Path:
+    """Per-layer cosine similarity of hidden states to the dense model's, one line per compared model."""
+    fig = Figure(figsize=(6, 3.4))
+    ax = fig.add_subplot(1, 1, 1)
+    for name, values in similarity.items():
+        ax.plot(range(len(values)), values, marker="o", label=name)
+    ax.set_xlabel("hidden state (0 = embeddings, i = after layer i)")
+    ax.set_ylabel("mean cosine similarity to dense")
+    ax.set_title("hidden-state similarity to the dense model")
+    ax.legend(fontsize=8)
+    return _save(fig, Path(path))
+
+
+def write_figures(report: dict, plan: PrunePlan | None, out_dir: str | Path) -> dict[str, str]:
+    """Every figure the report has data for; returns name -> file name relative to `out_dir`."""
+    out_dir = Path(out_dir)
+    made: dict[str, str] = {}
+    if plan is not None:
+        made["kept_units"] = plot_kept_units(plan, out_dir / "kept_units.png").name
+        if report.get("unit_scores"):
+            made["importance_distribution"] = plot_importance_distribution(
+                report["unit_scores"], plan, out_dir / "importance_distribution.png").name
+    if report.get("layer_importance"):
+        made["layer_importance"] = plot_layer_importance(report["layer_importance"], out_dir / "layer_importance.png").name
+    sim = (report.get("evaluation") or {}).get("hidden_similarity")
+    if sim:
+        made["hidden_similarity"] = plot_hidden_similarity(sim, out_dir / "hidden_similarity.png").name
+    return made
