@@ -210,7 +210,6 @@ class PruningCallback(L.Callback):
             ppl_pruned and round(ppl_pruned["ppl"], 2),
         )
 
-
     def _plot(self, trainer: L.Trainer, report: dict) -> None:
         """Per-layer importance PNG beside the report (the ExportCallback's out_dir, else the log dir)."""
         from prunelight.callbacks.export import ExportCallback
