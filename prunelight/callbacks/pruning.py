@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
 
 from prunelight.allocation import ALLOCATIONS, count_params, validate_ratio
+from prunelight.distributed import gathered_pruned_copy, make_plan_sharded, needs_fresh_engine, write_pruned_model
 from prunelight.importance import CRITERIA
 from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
@@ -57,6 +59,10 @@ class PruningCallback(L.Callback):
         if trainer.fast_dev_run:
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.prune_step, self.max_calibration_batches, self.max_eval_batches = 0, 1, 1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        if not self.pruned and needs_fresh_engine(trainer.strategy):
+            self.prune_for_fresh_engine(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.pruned and trainer.global_step >= self.prune_step:
@@ -153,12 +159,72 @@ class PruningCallback(L.Callback):
         )
 
 
+    def prune_for_fresh_engine(self, trainer: L.Trainer, pl_module) -> None:
+        """DeepSpeed: score and plan inside the engine, write the cut model from rank 0, stop this fit.
+
+        The engine's modules are not reshaped: the pruned model is gathered one module at a time,
+        written to `<default_root_dir>/pruned`, and `PrunelightCLI` continues the recovery from it
+        in a freshly set-up engine (same command, same YAML).
+        """
+        if self.prune_step != 0:
+            raise ValueError(
+                f"prune_step={self.prune_step}: under DeepSpeed the cut happens before recovery starts; set prune_step: 0"
+            )
+        report = pl_module.run_report
+        times = report.setdefault("times_s", {})
+        dm = trainer.datamodule
+        base = pl_module.base_model
+        t0 = time.perf_counter()
+        ppl_dense = self._eval_ppl(trainer, pl_module)
+        times["eval_dense"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan, scores = make_plan_sharded(
+            base,
+            dm.calibration_batches(trainer.global_rank, trainer.world_size),
+            self.ratio,
+            criterion=self.criterion,
+            criterion_args=self.criterion_args,
+            allocation=self.allocation,
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
+            reduce_sum=lambda t: trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum"),
+            max_batches=self.max_calibration_batches,
+        )
+        times["calibration_and_allocation"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pruned = gathered_pruned_copy(base, plan, keep=trainer.is_global_zero)
+        out = Path(trainer.default_root_dir) / "pruned"
+        if trainer.is_global_zero:
+            write_pruned_model(pruned, out, tokenizer=pl_module.load_tokenizer())
+        del pruned
+        trainer.strategy.barrier("prunelight_pruned_model_written")
+        times["surgery_and_write"] = time.perf_counter() - t0
+        self.pruned = True
+        report["params_before"] = plan.meta["params_total"]
+        report["params_after"] = plan.meta["params_total"] - plan.meta["params_removed"]
+        report["plan"] = plan.meta
+        report["calibration"] = {
+            "criterion": self.criterion, "allocation": self.allocation, "ratio": self.ratio,
+            "samples": plan.meta["samples"], "seq_len": getattr(dm, "seq_len", None),
+            "source": dm.calibration.describe(), "seed": getattr(dm, "seed", None), "prune_step": 0,
+        }
+        if ppl_dense is not None:
+            report.setdefault("ppl", {})["dense"] = ppl_dense["ppl"]
+            report.setdefault("ppl_detail", {})["dense"] = ppl_dense
+        report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
+        pl_module.handoff = {"pretrained": str(out), "plan": plan.to_dict()}
+        trainer.should_stop = True  # checked before the first epoch: no step and no checkpoint of the dense model
+        log.info("pruned model written to %s; recovery continues in a fresh %s", out, type(trainer.strategy).__name__)
+
+
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
     """After parameters changed: re-wrap for data parallel and rebuild optimizers and schedulers."""
     strategy = trainer.strategy
     from lightning.pytorch.strategies import DDPStrategy
 
+    if needs_fresh_engine(strategy):  # pragma: no cover - prune_for_fresh_engine runs first
+        raise RuntimeError(f"{type(strategy).__name__} cannot be re-wrapped in place; the cut must restart the engine")
     if isinstance(strategy, DDPStrategy):
-        # DDP caches the parameter list; wrap the cut module afresh.
+        # DDP caches the parameter list (and its reducer hooks the old tensors); wrap the cut module afresh.
+        # The new wrapper broadcasts rank 0's parameters, so fresh LoRA weights agree across ranks.
         strategy.model = strategy._setup_model(strategy.precision_plugin.convert_module(pl_module))
     strategy.setup_optimizers(trainer)
