@@ -23,7 +23,9 @@ class RankProbe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         # Runs after PruningCallback's hook (callbacks are called in list order).
         if self.after_cut is None and pl_module.plan is not None:
-            self.after_cut = {k: v.detach().clone() for k, v in pl_module.base_model.state_dict().items()}
+            # The cut base weights, named as in the unwrapped model (LoRA is already attached here).
+            state = pl_module.base_model.state_dict()
+            self.after_cut = {k.replace(".base_layer", ""): v.detach().clone() for k, v in state.items() if "lora_" not in k}
 
     def on_train_end(self, trainer, pl_module) -> None:
         final = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
