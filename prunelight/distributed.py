@@ -79,6 +79,19 @@ def uses_checkpoint_io(strategy) -> bool:
     return not is_deepspeed(strategy)
 
 
+def hf_zero3_loading(trainer):
+    """Under ZeRO-3, tell transformers so `from_pretrained` loads weights into partitioned parameters.
+
+    Returns the `HfDeepSpeedConfig` that transformers holds only weakly: keep it alive for as long
+    as the model may be loaded. None for every other strategy.
+    """
+    if trainer is None or zero_stage(trainer.strategy) != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(trainer.strategy.config)
+
+
 # --- ZeRO-3 parameter gathering ---------------------------------------------------------------
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a parameter that ZeRO-3 has partitioned across ranks."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from prunelight.adapters import get_adapter, unwrap
-from prunelight.distributed import trainable_keys
+from prunelight.distributed import hf_zero3_loading, trainable_keys
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.recovery import LoRASettings, add_lora, check_mode, merge_lora
@@ -71,6 +71,7 @@ class PruneLM(L.LightningModule):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         t0 = time.perf_counter()
+        self._hf_ds_config = hf_zero3_loading(self._trainer)  # kept alive: transformers holds a weakref
         kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation

@@ -68,6 +68,19 @@ def test_strategy_accepts_config_and_skips_checkpoint_io():
     assert distributed.zero_stage(DDPStrategy()) is None and not distributed.needs_fresh_engine(DDPStrategy())
 
 
+def test_zero3_tells_transformers_to_load_partitioned():
+    import lightning as L
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert distributed.hf_zero3_loading(L.Trainer(accelerator="cpu", devices=1, logger=False)) is None
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, strategy=DeepSpeedStrategy(stage=3))
+    handle = distributed.hf_zero3_loading(trainer)
+    assert handle is not None and is_deepspeed_zero3_enabled()
+    del handle
+    assert not is_deepspeed_zero3_enabled()
+
+
 @pytest.mark.parametrize("config", ["llama3-70b-zero3.yaml", "llama3-8b-ddp.yaml"])
 def test_scaling_configs_parse(config, monkeypatch, tmp_path):
     """The shipped YAMLs build their Trainer and strategy (on CPU here: accelerator/devices overridden)."""
