@@ -32,15 +32,19 @@ class PrunelightCLI(LightningCLI):
         trainer = super()._instantiate_trainer(config, callbacks)
         # Atomic checkpoint files where the strategy writes through a CheckpointIO (DeepSpeed writes
         # its own sharded folders) and the user did not choose another plugin.
-        if uses_checkpoint_io(trainer.strategy) and type(trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO":
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        strategy = trainer.strategy
+        if uses_checkpoint_io(strategy) and type(strategy.checkpoint_io).__name__ == "TorchCheckpointIO":
+            strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
     def after_fit(self) -> None:
         handoff = getattr(self.model, "handoff", None)
         if not handoff:
             return
-        log.info("continuing recovery from %s in a fresh %s", handoff["pretrained"], type(self.trainer.strategy).__name__)
+        log.info(
+            "continuing recovery from %s in a fresh %s",
+            handoff["pretrained"], type(self.trainer.strategy).__name__,
+        )
         # Same YAML, with the written pruned folder as the pretrained model; a new strategy object,
         # since the old one holds the engine (and optimizer state) of the uncut model.
         config = copy.deepcopy(self.config[self.subcommand])

@@ -29,13 +29,6 @@ DS_PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 # --- ranks and reductions ---------------------------------------------------------------------
-def rank_and_world(trainer) -> tuple[int, int]:
-    """(global rank, world size) of a Trainer; (0, 1) without one."""
-    if trainer is None:
-        return 0, 1
-    return int(trainer.global_rank), int(trainer.world_size)
-
-
 def strategy_sum(trainer, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function summing a tensor over all ranks with the Trainer's strategy (identity on one process)."""
 
@@ -208,12 +201,7 @@ def gathered_pruned_copy(model: nn.Module, plan: PrunePlan, keep: bool = True) -
     missing = [n for n, p in skeleton.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"gathered weights do not cover the model: missing {missing[:5]}")
-    # Non-persistent buffers (rotary inverse frequencies) are rebuilt on CPU from the config.
-    for name, buf in list(skeleton.named_buffers()):
-        if buf.is_meta:
-            owner = skeleton.get_submodule(name.rsplit(".", 1)[0]) if "." in name else skeleton
-            ref = dict(base.named_buffers())[name]
-            owner.register_buffer(name.rsplit(".", 1)[-1], ref.detach().cpu().clone(), persistent=False)
+    _fill_meta_buffers(skeleton, base)
     apply_plan(skeleton, plan)
     return skeleton.eval()
 
@@ -260,6 +248,44 @@ def make_plan_sharded(
     return plan, scores
 
 
+def gathered_merged_copy(model: nn.Module, lora=None, keep: bool = True) -> nn.Module | None:
+    """A plain CPU transformers model with LoRA merged, built from weights gathered one module at a time.
+
+    For export under ZeRO-3, where merging in place would write into partitioned placeholders.
+    `lora` is the `LoRASettings` the model was wrapped with (None: no adapters). Only rank 0
+    (`keep=True`) receives the copy; the other ranks take part in the gathers and get None.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from prunelight.recovery import add_lora, merge_lora
+
+    base = unwrap(model)
+    state = gathered_state_dict(base, to_cpu=True, keep=keep)
+    if not keep:
+        return None
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=base.dtype)
+    plain = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+    skeleton.load_state_dict(plain, strict=False, assign=True)
+    if getattr(base.config, "tie_word_embeddings", False):
+        skeleton.tie_weights()
+    _fill_meta_buffers(skeleton, base)
+    if lora is None:
+        return skeleton
+    wrapped = add_lora(skeleton, lora)  # the same adapters, created on CPU, then given the trained values
+    unwrap(wrapped).load_state_dict(state, strict=True)
+    return merge_lora(wrapped)
+
+
+def _fill_meta_buffers(skeleton: nn.Module, base: nn.Module) -> None:
+    """Copy non-persistent buffers (rotary inverse frequencies), which no state dict carries."""
+    ref = dict(base.named_buffers())
+    for name, buf in list(skeleton.named_buffers()):
+        if buf.is_meta:
+            owner = skeleton.get_submodule(name.rsplit(".", 1)[0]) if "." in name else skeleton
+            owner.register_buffer(name.rsplit(".", 1)[-1], ref[name].detach().cpu().clone(), persistent=False)
+
+
 # --- DeepSpeed configuration ------------------------------------------------------------------
 def deepspeed_config(
     stage: int = 3,
@@ -279,7 +305,7 @@ def deepspeed_config(
     if precision not in DS_PRECISIONS:
         raise ValueError(f"DeepSpeed precision must be one of {DS_PRECISIONS}, got {precision!r}")
     if offload_parameters and stage != 3:
-        raise ValueError(f"offload_parameters needs ZeRO stage 3 (parameters are partitioned only there), got stage {stage}")
+        raise ValueError(f"offload_parameters needs ZeRO stage 3 (only there are parameters partitioned), got {stage}")
     if offload_optimizer and stage == 0:
         raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
     zero: dict[str, Any] = {

@@ -21,8 +21,10 @@ GIB = 1024**3
 
 # Published config.json numbers (meta-llama/Meta-Llama-3-8B and -70B); no hub access needed.
 BUILTIN = {
-    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, tied=False),
-    "llama3-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, inter=28672, vocab=128256, tied=False),
+    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256,
+                      tied=False),
+    "llama3-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, inter=28672, vocab=128256,
+                       tied=False),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -63,7 +65,8 @@ class Arch:
 
     def lora_params(self, r: int, keep: float = 1.0) -> float:
         """LoRA adapter parameters on all seven projections of every layer, rank r."""
-        h, q, kv, i = self.hidden, keep * self.heads * self.head_dim, keep * self.kv_heads * self.head_dim, keep * self.inter
+        h, i = self.hidden, keep * self.inter
+        q, kv = keep * self.heads * self.head_dim, keep * self.kv_heads * self.head_dim
         shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
         return self.layers * sum(r * (a + b) for a, b in (shapes[t] for t in LORA_TARGETS))
 
@@ -154,7 +157,8 @@ def render(a: Arch, seq: int, batch: int, ratio: float, r: int, gpus: int) -> st
         f"| activations while scoring, no checkpointing | {g(c['act_scoring_no_ckpt'])} |",
         f"| activations while scoring, gradient checkpointing | {g(c['act_scoring_ckpt'])} |",
         f"| activations while recovering (pruned), checkpointing | {g(c['act_recovery_ckpt'])} |",
-        f"| LoRA: {c['lora_params'] / 1e6:,.0f}M adapter parameters, weights+grads+AdamW fp32 | {g(c['lora_train_state'])} |",
+        f"| LoRA: {c['lora_params'] / 1e6:,.0f}M adapter parameters, weights+grads+AdamW fp32 "
+        f"| {g(c['lora_train_state'])} |",
         f"| full recovery: bf16 gradients | {g(c['full_grads_bf16'])} |",
         f"| full recovery: AdamW fp32 master + m + v | {g(c['full_optimizer_fp32'])} |",
         "| weight gradients while scoring (weights frozen) | 0 |",

@@ -25,7 +25,9 @@ class RankProbe(L.Callback):
         if self.after_cut is None and pl_module.plan is not None:
             # The cut base weights, named as in the unwrapped model (LoRA is already attached here).
             state = pl_module.base_model.state_dict()
-            self.after_cut = {k.replace(".base_layer", ""): v.detach().clone() for k, v in state.items() if "lora_" not in k}
+            self.after_cut = {
+                k.replace(".base_layer", ""): v.detach().clone() for k, v in state.items() if "lora_" not in k
+            }
 
     def on_train_end(self, trainer, pl_module) -> None:
         final = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}

@@ -18,6 +18,7 @@ import yaml
 from prunelight import distributed
 from prunelight.distributed import (
     deepspeed_config,
+    gathered_merged_copy,
     gathered_pruned_copy,
     gathered_scores,
     gathered_state_dict,
@@ -136,6 +137,25 @@ def test_gathered_pruned_copy_equals_cut_model(family, tie):
         torch.testing.assert_close(cut(ids).logits, ref(ids).logits, rtol=0, atol=0)
     assert cut.config.layer_shapes == ref.config.layer_shapes
     assert gathered_pruned_copy(model, plan, keep=False) is None  # non-zero ranks keep nothing
+
+
+def test_gathered_merged_copy_equals_in_place_merge():
+    from prunelight.recovery import LoRASettings, add_lora, merge_lora
+
+    torch.manual_seed(0)
+    settings = LoRASettings(r=4, dropout=0.0)
+    model = add_lora(tiny_model("llama"), settings)
+    with torch.no_grad():  # trained-looking adapters (B starts at zero, which would make the check vacuous)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    copy_ = gathered_merged_copy(model, settings)
+    ref = merge_lora(model)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(copy_(ids).logits, ref(ids).logits)
+        assert not any("lora" in k for k in copy_.state_dict())
+    assert gathered_merged_copy(model, settings, keep=False) is None
 
 
 # --- the hand-off to a fresh engine, run end to end with the ordinary strategy --------------------

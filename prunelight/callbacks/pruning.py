@@ -7,10 +7,15 @@ import time
 from pathlib import Path
 
 import lightning as L
-import torch
 
 from prunelight.allocation import ALLOCATIONS, count_params, validate_ratio
-from prunelight.distributed import gathered_pruned_copy, make_plan_sharded, needs_fresh_engine, write_pruned_model
+from prunelight.distributed import (
+    gathered_pruned_copy,
+    make_plan_sharded,
+    needs_fresh_engine,
+    strategy_sum,
+    write_pruned_model,
+)
 from prunelight.importance import CRITERIA
 from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
@@ -95,10 +100,6 @@ class PruningCallback(L.Callback):
 
         t0 = time.perf_counter()
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
-
-        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
-            return trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum")
-
         plan, scores = make_plan(
             base,
             batches,
@@ -107,7 +108,7 @@ class PruningCallback(L.Callback):
             criterion_args=self.criterion_args,
             allocation=self.allocation,
             allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
-            reduce_sum=reduce_sum,
+            reduce_sum=strategy_sum(trainer, pl_module.device),
             max_batches=self.max_calibration_batches,
         )
         times["calibration_and_allocation"] = time.perf_counter() - t0
@@ -168,11 +169,17 @@ class PruningCallback(L.Callback):
         """
         if self.prune_step != 0:
             raise ValueError(
-                f"prune_step={self.prune_step}: under DeepSpeed the cut happens before recovery starts; set prune_step: 0"
+                f"prune_step={self.prune_step}: under DeepSpeed the cut happens before recovery; set prune_step: 0"
+            )
+        dm = trainer.datamodule
+        if dm.num_samples % trainer.world_size:
+            # ZeRO-3 gathers weights collectively in every forward: all ranks must run the same number of batches.
+            raise ValueError(
+                f"data.num_samples={dm.num_samples} must be a multiple of the number of processes "
+                f"({trainer.world_size}) under DeepSpeed"
             )
         report = pl_module.run_report
         times = report.setdefault("times_s", {})
-        dm = trainer.datamodule
         base = pl_module.base_model
         t0 = time.perf_counter()
         ppl_dense = self._eval_ppl(trainer, pl_module)
@@ -186,7 +193,7 @@ class PruningCallback(L.Callback):
             criterion_args=self.criterion_args,
             allocation=self.allocation,
             allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
-            reduce_sum=lambda t: trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum"),
+            reduce_sum=strategy_sum(trainer, pl_module.device),
             max_batches=self.max_calibration_batches,
         )
         times["calibration_and_allocation"] = time.perf_counter() - t0
