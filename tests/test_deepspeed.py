@@ -187,18 +187,19 @@ def _job(tmp: Path, max_steps: int, callbacks_extra: list | None = None, checkpo
     return path
 
 
-def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recovery", ["lora", "none"])
+def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch, recovery):
     """Score -> plan -> gather+cut -> write from rank 0 -> stop -> recover in a new Trainer, one command."""
     import prunelight.callbacks.pruning as pruning
     from prunelight.cli import cli_main
 
     monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)
     monkeypatch.chdir(tmp_path)
-    cli = cli_main(["fit", "--config", str(_job(tmp_path, max_steps=2))])
+    cli = cli_main(["fit", "--config", str(_job(tmp_path, max_steps=2)), "--model.recovery", recovery])
     pruned_dir = tmp_path / "run" / "pruned"
     assert (pruned_dir / "config.json").exists()
-    # The second Trainer trained the model loaded from the written pruned folder, with LoRA.
-    assert cli.trainer.global_step == 2
+    # The second Trainer trained the model loaded from the written pruned folder (prune-only: no steps).
+    assert cli.trainer.global_step == (2 if recovery == "lora" else 0)
     assert cli.model.pretrained == str(pruned_dir) and cli.model.pretrained_is_pruned
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["ppl"]["dense"] > 0 and report["ppl"]["recovered"] > 0

@@ -68,6 +68,8 @@ class PruningCallback(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         if not self.pruned and needs_fresh_engine(trainer.strategy):
             self.prune_for_fresh_engine(trainer, pl_module)
+        elif getattr(pl_module, "pretrained_is_pruned", False) and pl_module.recovery == "none":
+            trainer.should_stop = True  # prune-only run continuing after the hand-off: straight to evaluation/export
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.pruned and trainer.global_step >= self.prune_step:
