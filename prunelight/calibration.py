@@ -45,6 +45,17 @@ def _check_finite(criterion: Criterion, batch_idx: int) -> None:
                 )
 
 
+def keep_checkpointing_in_eval(model: nn.Module) -> None:
+    """Re-arm gradient checkpointing after `eval()`: transformers checkpoints a layer only in training mode.
+
+    Only the decoder-layer modules are flagged as training; their attention/MLP stay in eval mode,
+    so scoring keeps eval semantics while storing one layer's activations at a time.
+    """
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and isinstance(module, nn.Module):
+            module.training = True
+
+
 def run_calibration(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
@@ -63,6 +74,7 @@ def run_calibration(
             p.requires_grad_(False)
         handle = base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
         base.eval()
+        keep_checkpointing_in_eval(base)
         try:
             for b, input_ids in enumerate(batches):
                 if max_batches is not None and b >= max_batches:
