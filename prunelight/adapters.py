@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from prunelight.modeling import RemovedAttention, RemovedMLP
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -57,11 +59,13 @@ class ArchAdapter:
 
     def attn(self, layer: nn.Module) -> nn.Module | None:
         """The attention sub-block of a decoder layer, None if it was removed."""
-        return getattr(layer, self.attn_name, None)
+        attn = getattr(layer, self.attn_name, None)
+        return None if isinstance(attn, RemovedAttention) else attn
 
     def mlp(self, layer: nn.Module) -> nn.Module | None:
         """The MLP sub-block of a decoder layer, None if it was removed."""
-        return getattr(layer, self.mlp_name, None)
+        mlp = getattr(layer, self.mlp_name, None)
+        return None if isinstance(mlp, RemovedMLP) else mlp
 
     def qkv(self, attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         """The q, k and v projections of an attention module."""

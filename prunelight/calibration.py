@@ -1,7 +1,9 @@
 """The calibration pass: run batches through the model so a criterion's hooks can score every unit.
 
 Weights are frozen for the pass and only the input embeddings are made to require grad, so the
-backward pass computes activation gradients and no weight gradient is ever allocated.
+backward pass computes activation gradients. Weight-gradient criteria name the weights they score
+(`criterion.grad_params`); only those require grad, and their hooks reduce and free each gradient as
+soon as it is accumulated. Forward-only criteria run under no_grad.
 """
 
 from __future__ import annotations
@@ -56,6 +58,49 @@ def keep_checkpointing_in_eval(model: nn.Module) -> None:
             module.training = True
 
 
+def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Criterion, max_batches: int | None) -> None:
+    """Forward (and backward) every batch with only the criterion's own tensors requiring grad."""
+    device = next(base.parameters()).device
+    was_training = base.training
+    saved = [(p, p.requires_grad) for p in base.parameters()]
+    for p, _ in saved:
+        p.requires_grad_(False)
+    targets = criterion.grad_params(base)
+    for p in targets:
+        p.grad = None  # a stale training gradient would otherwise be folded into the scores
+        p.requires_grad_(True)
+    handles = []
+    if criterion.needs_backward and not targets:  # activation-gradient criteria: grads must flow from the embeddings
+        handles.append(base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True)))
+    base.eval()
+    keep_checkpointing_in_eval(base)
+    try:
+        for b, input_ids in enumerate(batches):
+            if max_batches is not None and b >= max_batches:
+                break
+            input_ids = input_ids.to(device)
+            for chunk in torch.split(input_ids, criterion.micro_batch_size or max(len(input_ids), 1)):
+                with torch.set_grad_enabled(criterion.needs_backward):
+                    logits = base(input_ids=chunk, use_cache=False).logits
+                    if criterion.needs_backward:
+                        loss = calibration_loss(logits, chunk, criterion.loss)
+                        if not torch.isfinite(loss):
+                            raise FloatingPointError(f"calibration loss is {loss.item()} on batch {b}")
+                        loss.backward()
+                del logits
+                criterion.num_samples += chunk.shape[0]
+                criterion.num_batches += 1
+            _check_finite(criterion, b)
+    finally:
+        for h in handles:
+            h.remove()
+        for p in targets:
+            p.grad = None  # normally freed by the criterion's hooks already; also after an error
+        for p, flag in saved:
+            p.requires_grad_(flag)
+        base.train(was_training)
+
+
 def run_calibration(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
@@ -67,34 +112,10 @@ def run_calibration(
     base = unwrap(model)
     criterion.attach(base)
     if criterion.needs_data:
-        device = next(base.parameters()).device
-        was_training = base.training
-        saved = [(p, p.requires_grad) for p in base.parameters()]
-        for p, _ in saved:
-            p.requires_grad_(False)
-        handle = base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
-        base.eval()
-        keep_checkpointing_in_eval(base)
         try:
-            for b, input_ids in enumerate(batches):
-                if max_batches is not None and b >= max_batches:
-                    break
-                input_ids = input_ids.to(device)
-                with torch.set_grad_enabled(criterion.needs_backward):
-                    logits = base(input_ids=input_ids, use_cache=False).logits
-                    if criterion.needs_backward:
-                        loss = calibration_loss(logits, input_ids, criterion.loss)
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(f"calibration loss is {loss.item()} on batch {b}")
-                        loss.backward()
-                criterion.num_samples += input_ids.shape[0]
-                _check_finite(criterion, b)
+            _calibrate(base, batches, criterion, max_batches)
         finally:
-            handle.remove()
             criterion.detach()
-            for p, flag in saved:
-                p.requires_grad_(flag)
-            base.train(was_training)
         if criterion.num_samples == 0:
             raise ValueError("calibration saw no batches: the calibration dataset is empty")
     if reduce_sum is not None:

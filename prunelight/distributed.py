@@ -235,15 +235,34 @@ def make_plan_sharded(
     criteria read one gathered layer at a time; the allocation counts parameters on a meta twin.
     """
     from prunelight.allocation import allocate
+    from prunelight.allocation.split_search import parse_split
     from prunelight.calibration import run_calibration
     from prunelight.importance import build_criterion
+    from prunelight.pipeline import _PIPELINE_KEYS
 
+    args = dict(allocation_args or {})
+    own = {k: args.pop(k) for k in _PIPELINE_KEYS if k in args}
+    # These run extra forward passes on masked (written-to) weights: not possible on partitioned ones.
+    unsupported = [
+        name for name, bad in (
+            (f"allocation={allocation}", allocation in ("layerwise", "depth")),
+            ("attn_mlp_split=auto", own.get("attn_mlp_split") == "auto"),
+            ("block_importance=removal", own.get("block_importance") == "removal"),
+            ("report_layer_importance", bool(own.get("report_layer_importance"))),
+        ) if bad
+    ]
+    if unsupported:
+        raise ValueError(f"not available with ZeRO-3 partitioned weights: {', '.join(unsupported)}; "
+                         "use DeepSpeed stage 2 or DDP for these options")
+    share = parse_split(own.get("attn_mlp_split"))
+    if share is not None:
+        args["attn_share"] = share
     crit = build_criterion(criterion, **(criterion_args or {}))
     if crit.needs_data:
         scores = run_calibration(model, batches, crit, reduce_sum, max_batches)
     else:
         scores = gathered_scores(model, crit)
-    plan = allocate(shape_twin(model), scores, ratio, allocation, **(allocation_args or {}))
+    plan = allocate(shape_twin(model), scores, ratio, allocation, **args)
     plan.meta.update(criterion=criterion, criterion_args=dict(criterion_args or {}), samples=crit.num_samples)
     return plan, scores
 

@@ -27,9 +27,22 @@ from transformers import (
 
 
 class RemovedAttention(nn.Module):
-    """Stands in for an attention sub-block removed by depth pruning: adds nothing to the residual."""
+    """Stands in for an attention sub-block removed by pruning: adds nothing to the residual.
+
+    It still appends a zero-head entry to the KV cache so the cache's sequence length (which
+    transformers reads from layer 0 to place new tokens) stays right when layer 0 lost its attention.
+    """
+
+    def __init__(self, layer_idx: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None and self.layer_idx is not None and hasattr(cache, "update"):
+            b, t = hidden_states.shape[:2]
+            empty = hidden_states.new_zeros(b, 0, t, 1)
+            cache.update(empty, empty, self.layer_idx)
         return torch.zeros_like(hidden_states), None
 
 
@@ -56,7 +69,7 @@ def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
     heads, kv, inter = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
     attn = layer.self_attn
     if heads == 0:
-        layer.self_attn = RemovedAttention()
+        layer.self_attn = RemovedAttention(getattr(attn, "layer_idx", None))
     elif not isinstance(attn, RemovedAttention):
         hidden = attn.q_proj.in_features
         attn.q_proj = _linear_like(attn.q_proj, hidden, heads * head_dim)

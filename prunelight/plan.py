@@ -25,6 +25,7 @@ class PrunePlan:
     num_groups: list[int]  # original groups (KV heads) per layer
     num_channels: list[int]  # original MLP channels per layer
     meta: dict = field(default_factory=dict)
+    drop_layers: list[int] = field(default_factory=list)  # whole layers removed (depth pruning), original indices
 
     @property
     def num_layers(self) -> int:
@@ -33,13 +34,16 @@ class PrunePlan:
 
     def removed_counts(self) -> tuple[int, int]:
         """(GQA groups removed, MLP channels removed) over all layers."""
-        groups = sum(n - len(lp.keep_groups) for n, lp in zip(self.num_groups, self.layers))
-        chans = sum(n - len(lp.keep_channels) for n, lp in zip(self.num_channels, self.layers))
+        drop = set(self.drop_layers)  # a dropped layer loses every unit, whatever its keep lists say
+        kept = [(0, 0) if i in drop else (len(lp.keep_groups), len(lp.keep_channels))
+                for i, lp in enumerate(self.layers)]
+        groups = sum(n - k[0] for n, k in zip(self.num_groups, kept))
+        chans = sum(n - k[1] for n, k in zip(self.num_channels, kept))
         return groups, chans
 
     def is_identity(self) -> bool:
         """True when the plan removes nothing."""
-        return self.removed_counts() == (0, 0)
+        return self.removed_counts() == (0, 0) and not self.drop_layers
 
     def to_dict(self) -> dict:
         """JSON-able form."""
@@ -48,6 +52,7 @@ class PrunePlan:
             "num_groups": self.num_groups,
             "num_channels": self.num_channels,
             "meta": self.meta,
+            "drop_layers": list(self.drop_layers),
         }
 
     @classmethod
@@ -58,4 +63,5 @@ class PrunePlan:
             num_groups=list(data["num_groups"]),
             num_channels=list(data["num_channels"]),
             meta=dict(data.get("meta", {})),
+            drop_layers=[int(i) for i in data.get("drop_layers", [])],  # absent in plans from before depth pruning
         )

@@ -86,6 +86,11 @@ def check_plan(model: nn.Module, plan: PrunePlan) -> None:
         ):
             if len(set(keep)) != len(keep) or any(not 0 <= j < n for j in keep):
                 raise ValueError(f"layer {i}: kept {name} must be distinct indices in [0, {n}), got {keep[:8]}...")
+    drop = plan.drop_layers
+    if len(set(drop)) != len(drop) or any(not 0 <= i < len(shapes) for i in drop):
+        raise ValueError(f"drop_layers must be distinct layer indices in [0, {len(shapes)}), got {drop}")
+    if len(drop) == len(shapes):
+        raise ValueError("the plan drops every decoder layer; at least one must remain")
 
 
 def apply_plan(model: nn.Module, plan: PrunePlan) -> list[LayerShape]:
@@ -98,7 +103,8 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> list[LayerShape]:
         rep = shape.num_attention_heads // shape.num_key_value_heads if shape.num_key_value_heads else 0
         keep_g = sorted(lp.keep_groups)
         if not keep_g:
-            setattr(layer, adapter.attn_name, RemovedAttention())
+            old = getattr(layer, adapter.attn_name)
+            setattr(layer, adapter.attn_name, RemovedAttention(getattr(old, "layer_idx", None)))
         elif len(keep_g) < shape.num_key_value_heads:
             prune_attention(adapter.attn(layer), adapter, keep_g, rep, hd)
         keep_c = sorted(lp.keep_channels)
@@ -106,9 +112,35 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> list[LayerShape]:
             setattr(layer, adapter.mlp_name, RemovedMLP())
         elif len(keep_c) < shape.intermediate_size:
             prune_mlp(adapter.mlp(layer), adapter, keep_c)
+    if plan.drop_layers:
+        drop_layers(model, plan.drop_layers)
     shapes = adapter.layer_shapes(model)
     record_shapes(config, shapes)
     return shapes
+
+
+def drop_layers(model: nn.Module, indices: list[int]) -> None:
+    """Delete whole decoder layers and renumber the rest so config, KV cache and masks stay consistent."""
+    adapter = get_adapter(model)
+    config = unwrap(model).config
+    layers = adapter.layers(model)
+    gone = set(indices)
+    kept = [i for i in range(len(layers)) if i not in gone]
+    new = nn.ModuleList([layers[i] for i in kept])
+    for new_idx, layer in enumerate(new):
+        attn = getattr(layer, adapter.attn_name)
+        # The KV cache is indexed by layer_idx; gaps would make DynamicCache grow past the config's layers.
+        if hasattr(attn, "layer_idx"):
+            attn.layer_idx = new_idx
+    parent_path, _, name = adapter.layers_path.rpartition(".")
+    parent = unwrap(model)
+    for part in parent_path.split(".") if parent_path else []:
+        parent = getattr(parent, part)
+    setattr(parent, name, new)
+    config.num_hidden_layers = len(kept)
+    # DynamicCache(config=...) and the mask builders read layer_types per layer.
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in kept]
 
 
 def record_shapes(config, shapes: list[LayerShape]) -> None:
@@ -125,9 +157,11 @@ def mask_units(model: nn.Module, plan: PrunePlan) -> None:
     config = unwrap(model).config
     hd = adapter.head_dim(config)
     with torch.no_grad():
-        for layer, lp, shape, n_g, n_c in zip(
+        for i, (layer, lp, shape, n_g, n_c) in enumerate(zip(
             adapter.layers(model), plan.layers, adapter.layer_shapes(model), plan.num_groups, plan.num_channels
-        ):
+        )):
+            if i in plan.drop_layers:  # a dropped layer passes its input through: silence both sub-blocks
+                lp = type(lp)([], [])
             rep = shape.num_attention_heads // shape.num_key_value_heads
             gone_g = [g for g in range(n_g) if g not in set(lp.keep_groups)]
             if gone_g:

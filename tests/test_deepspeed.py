@@ -124,6 +124,15 @@ def test_plan_under_sharding_equals_plain_plan(criterion):
     assert sharded.meta["params_removed"] == plain.meta["params_removed"]
 
 
+def test_sharded_plan_refuses_options_that_write_weights():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="ZeRO-3.*attn_mlp_split=auto"):
+        make_plan_sharded(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "auto"})
+    plain, _ = make_plan(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "1:3"})
+    fixed, _ = make_plan_sharded(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "1:3"})
+    assert fixed.to_dict()["layers"] == plain.to_dict()["layers"]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_gathered_pruned_copy_equals_cut_model(family, tie):
     model = tiny_model(family, tie_word_embeddings=tie)

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import lightning as L
 
-from prunelight.allocation import ALLOCATIONS, count_params, validate_ratio
+from prunelight.allocation import check_allocation_options, count_params, precheck, validate_ratio
 from prunelight.distributed import (
     gathered_pruned_copy,
     make_plan_sharded,
     needs_fresh_engine,
     strategy_sum,
     write_pruned_model,
+    zero_stage,
 )
-from prunelight.importance import CRITERIA
+from prunelight.importance import CRITERIA, build_criterion
 from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
 
@@ -43,13 +44,58 @@ class PruningCallback(L.Callback):
         max_calibration_batches: int | None = None,
         evaluate: bool = True,
         max_eval_batches: int | None = None,
+        layer_importance: str = "block_influence",
+        strategy: str = "inverse",
+        alpha: float = 1.0,
+        importance_scale: str = "minmax",
+        freeze_top_n: int = 0,
+        rate_range: list[float] | None = None,
+        attn_mlp_split: str | None = None,
+        align_channels: int = 1,
+        block_importance: str = "units",
+        fill_width: bool = True,
+        split_step: float = 0.1,
+        split_fine_step: float = 0.025,
+        split_patience: int = 2,
+        importance_batches: int | None = None,
+        report_layer_importance: list[str] | None = None,
+        plot_layer_importance: bool = True,
     ) -> None:
+        """Allocation options (all in docs/methods.md).
+
+        `layer_importance` (removal | activation_change | block_influence) feeds `layerwise` and `depth`;
+        `strategy`, `alpha`, `importance_scale`, `freeze_top_n` and `rate_range` shape layerwise rates;
+        `attn_mlp_split` is "x:y" or "auto" (searched on calibration text with the `split_*` settings);
+        `align_channels` rounds kept MLP channels to a multiple; `block_importance` (units | removal) ranks
+        sub-blocks for `blockwise`; `fill_width` lets blockwise/depth width-prune the remainder;
+        `importance_batches` caps the batches for layer importance and the split search;
+        `report_layer_importance` lists measures to record and plot (default: block_influence, activation_change).
+        """
         super().__init__()
         validate_ratio(ratio)  # bad values fail before any model is loaded
         if criterion not in CRITERIA:
             raise ValueError(f"unknown importance criterion {criterion!r}; available: {', '.join(sorted(CRITERIA))}")
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"unknown allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
+        rate_range = [0.0, 1.0] if rate_range is None else [float(r) for r in rate_range]
+        report_li = (["block_influence", "activation_change"] if report_layer_importance is None
+                     else list(report_layer_importance))
+        check_allocation_options(allocation, strategy, alpha, freeze_top_n, rate_range, attn_mlp_split, align_channels,
+                                 layer_importance, block_importance, split_step, split_fine_step, split_patience,
+                                 importance_scale)
+        for name in report_li:
+            check_allocation_options(layer_importance=name)
+        if importance_batches is not None and importance_batches < 1:
+            raise ValueError(f"importance_batches must be >= 1 or null (all calibration batches), "
+                             f"got {importance_batches}")
+        self.allocation_args = {
+            "layer_importance": layer_importance, "strategy": strategy, "alpha": alpha,
+            "importance_scale": importance_scale, "freeze_top_n": freeze_top_n,
+            "rate_range": rate_range, "attn_mlp_split": attn_mlp_split, "align_channels": align_channels,
+            "block_importance": block_importance, "fill_width": fill_width, "split_step": split_step,
+            "split_fine_step": split_fine_step, "split_patience": split_patience,
+            "report_layer_importance": report_li,
+        }
+        self.importance_batches = importance_batches
+        self.plot_layer_importance = plot_layer_importance
         if prune_step < 0:
             raise ValueError(f"prune_step must be >= 0, got {prune_step}")
         self.ratio, self.criterion, self.criterion_args = ratio, criterion, dict(criterion_args or {})
@@ -64,6 +110,7 @@ class PruningCallback(L.Callback):
         if trainer.fast_dev_run:
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.prune_step, self.max_calibration_batches, self.max_eval_batches = 0, 1, 1
+            self.importance_batches = 1
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         if not self.pruned and needs_fresh_engine(trainer.strategy):
@@ -95,6 +142,10 @@ class PruningCallback(L.Callback):
         dm = trainer.datamodule
         base = pl_module.base_model
         params_before = count_params(base)
+        a = self.allocation_args
+        # Size checks (frozen layers, split feasibility, rate range) before the dense evaluation and calibration.
+        precheck(base, self.ratio, self.allocation, self.min_groups, self.min_channels, a["freeze_top_n"],
+                 a["rate_range"], a["attn_mlp_split"])
 
         t0 = time.perf_counter()
         ppl_dense = self._eval_ppl(trainer, pl_module)
@@ -109,9 +160,10 @@ class PruningCallback(L.Callback):
             criterion=self.criterion,
             criterion_args=self.criterion_args,
             allocation=self.allocation,
-            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
             reduce_sum=strategy_sum(trainer, pl_module.device),
             max_batches=self.max_calibration_batches,
+            importance_batches=self.importance_batches,
         )
         times["calibration_and_allocation"] = time.perf_counter() - t0
 
@@ -136,6 +188,7 @@ class PruningCallback(L.Callback):
         report["calibration"] = {
             "criterion": self.criterion,
             "allocation": self.allocation,
+            "allocation_args": {k: v for k, v in self.allocation_args.items() if k != "report_layer_importance"},
             "ratio": self.ratio,
             "samples": plan.meta["samples"],
             "seq_len": getattr(dm, "seq_len", None),
@@ -150,6 +203,10 @@ class PruningCallback(L.Callback):
                 report["ppl"][name] = res["ppl"]
                 report["ppl_detail"][name] = res
         report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
+        if plan.meta.get("layer_importance"):
+            report["layer_importance"] = plan.meta["layer_importance"]
+            if self.plot_layer_importance and trainer.is_global_zero:
+                self._plot(trainer, report)
         removed = plan.meta["params_removed"]
         log.info(
             "pruned %s params (%.1f%% of the model) with %s/%s; ppl dense %s -> pruned %s",
@@ -161,6 +218,16 @@ class PruningCallback(L.Callback):
             ppl_pruned and round(ppl_pruned["ppl"], 2),
         )
 
+
+    def _plot(self, trainer: L.Trainer, report: dict) -> None:
+        """Per-layer importance PNG beside the report (the ExportCallback's out_dir, else the log dir)."""
+        from prunelight.callbacks.export import ExportCallback
+        from prunelight.layer_importance import plot_layer_importance
+
+        out = next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, ExportCallback)), None)
+        out = out or trainer.log_dir or trainer.default_root_dir
+        path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
+        report["layer_importance_plot"] = str(path)
 
     def prune_for_fresh_engine(self, trainer: L.Trainer, pl_module) -> None:
         """DeepSpeed: score and plan inside the engine, write the cut model from rank 0, stop this fit.
@@ -183,20 +250,28 @@ class PruningCallback(L.Callback):
         report = pl_module.run_report
         times = report.setdefault("times_s", {})
         base = pl_module.base_model
+        if build_criterion(self.criterion, **self.criterion_args).grad_params(base):
+            # DeepSpeed reduces and frees weight gradients in its own hooks; scores must come from activations.
+            raise ValueError(f"criterion {self.criterion!r} reads weight gradients, which DeepSpeed partitions; "
+                             "use an activation-gradient criterion (taylor) or a weight-only one (magnitude)")
         t0 = time.perf_counter()
         ppl_dense = self._eval_ppl(trainer, pl_module)
         times["eval_dense"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        plan, scores = make_plan_sharded(
+        # ZeRO-3 weights are partitioned: plan from gathered layers; ZeRO-1/2 keep them whole.
+        planner = make_plan_sharded if zero_stage(trainer.strategy) == 3 else make_plan
+        kwargs = {"importance_batches": self.importance_batches} if planner is make_plan else {}
+        plan, scores = planner(
             base,
             dm.calibration_batches(trainer.global_rank, trainer.world_size),
             self.ratio,
             criterion=self.criterion,
             criterion_args=self.criterion_args,
             allocation=self.allocation,
-            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels},
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
             reduce_sum=strategy_sum(trainer, pl_module.device),
             max_batches=self.max_calibration_batches,
+            **kwargs,
         )
         times["calibration_and_allocation"] = time.perf_counter() - t0
         t0 = time.perf_counter()

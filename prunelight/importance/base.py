@@ -16,7 +16,15 @@ from torch import nn
 from prunelight.adapters import ArchAdapter, get_adapter, unwrap
 
 KINDS = ("attn", "mlp")
+OBJECTIVES = ("lm", "entropy")
 UnitScores = dict[str, list[torch.Tensor]]  # kind -> one 1-D tensor of scores per layer
+
+
+def check_objective(objective: str) -> str:
+    """Validate a calibration objective name ("lm": next-token NLL, "entropy": output entropy, no labels)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown calibration objective {objective!r}; available: {', '.join(OBJECTIVES)}")
+    return objective
 
 
 class Criterion(ABC):
@@ -26,11 +34,19 @@ class Criterion(ABC):
     needs_data: bool = True  # False: scores come from the weights alone
     needs_backward: bool = True  # False: forward hooks suffice (no gradient needed)
     loss: str = "lm"  # which calibration objective the backward pass uses: "lm" or "entropy"
+    # Samples per forward/backward during calibration (None: the batch as given). Weight-gradient
+    # criteria use 1 so |w*g| is taken per sample and the sums do not depend on how samples are batched.
+    micro_batch_size: int | None = None
 
     def __init__(self) -> None:
         self.stats: UnitScores = {kind: [] for kind in KINDS}
         self.num_samples = 0
+        self.num_batches = 0  # forward (+backward) passes, counted by run_calibration
         self._handles: list = []
+
+    def grad_params(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters that must require grad during calibration (weight-gradient criteria; else none)."""
+        return []
 
     # --- lifecycle --------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
@@ -43,6 +59,7 @@ class Criterion(ABC):
             "mlp": [torch.zeros(s.intermediate_size, dtype=torch.float32, device=device) for s in shapes],
         }
         self.num_samples = 0
+        self.num_batches = 0
         self._register(model, adapter)
 
     def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
@@ -64,7 +81,14 @@ class Criterion(ABC):
             sizes = [t.numel() for t in self.stats[kind]]
             flat = reduce_sum(torch.cat(self.stats[kind]))
             self.stats[kind] = list(torch.split(flat, sizes))
-        self.num_samples = int(reduce_sum(torch.tensor([float(self.num_samples)]))[0].item())
+        counts = reduce_sum(torch.tensor([float(self.num_samples), float(self.num_batches)], device=self._device()))
+        self.num_samples, self.num_batches = int(counts[0].item()), int(counts[1].item())
+
+    def _device(self) -> torch.device:
+        for kind in KINDS:
+            if self.stats[kind]:
+                return self.stats[kind][0].device
+        return torch.device("cpu")
 
     @abstractmethod
     def scores(self, model: nn.Module) -> UnitScores:
@@ -79,6 +103,10 @@ class ActGradCriterion(Criterion):
     """
 
     needs_backward = True
+
+    def __init__(self, objective: str = "lm") -> None:
+        super().__init__()
+        self.loss = check_objective(objective)
 
     @abstractmethod
     def reduce_samples(self, per_sample: torch.Tensor) -> torch.Tensor:
@@ -99,7 +127,7 @@ class ActGradCriterion(Criterion):
         def pre_hook(module, args):
             x = args[0]
             if not x.requires_grad:
-                return None
+                return
 
             def on_grad(g: torch.Tensor) -> None:
                 ag = (x.detach().float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
@@ -107,7 +135,6 @@ class ActGradCriterion(Criterion):
                 self.stats[kind][layer] += self.reduce_samples(per_sample)
 
             x.register_hook(on_grad)
-            return None
 
         return pre_hook
 

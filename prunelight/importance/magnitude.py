@@ -52,3 +52,12 @@ class MagnitudeCriterion(Criterion):
             else:
                 out["mlp"].append(torch.zeros(0))
         return out
+
+
+class MagnitudeL1Criterion(MagnitudeCriterion):
+    """L1 norm of each unit's weights (the `magnitude` criterion with p=1)."""
+
+    name = "magnitude_l1"
+
+    def __init__(self, p: int = 1) -> None:
+        super().__init__(p)

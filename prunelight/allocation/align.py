@@ -1,0 +1,68 @@
+"""Hardware alignment: every layer keeps a multiple of `multiple` MLP channels, budget rebalanced across layers.
+
+GPU matmul kernels run best when matrix sides are multiples of 64/128; a layer left with 1000
+channels is slower per parameter than one with 1024. Alignment rounds each layer's kept count to
+the nearest multiple (never below one multiple unless the sub-block is removed), then moves whole
+steps between layers (cheapest importance per parameter first) until the total is within one
+step above the target.
+"""
+
+from __future__ import annotations
+
+from prunelight.allocation.budget import Budget, Removed
+from prunelight.importance.base import UnitScores
+
+
+def check_alignment(multiple: int) -> None:
+    """`align_channels` is a positive integer (1 disables alignment)."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"align_channels must be an integer >= 1 (1 disables it), got {multiple!r}")
+
+
+def align_channels(
+    scores: UnitScores, budget: Budget, removed: Removed, multiple: int, fixed: set[int] = frozenset()
+) -> Removed:
+    """Round kept MLP channels per layer to `multiple` and rebalance so the budget is met within one step."""
+    check_alignment(multiple)
+    if multiple == 1:
+        return removed
+    n = budget.num_layers
+    live = [i for i in range(n) if i not in fixed and len(removed["mlp"][i]) < budget.n_chans[i]]
+    for i in live:
+        if budget.n_chans[i] < multiple:
+            raise ValueError(
+                f"align_channels={multiple} exceeds layer {i}'s {budget.n_chans[i]} MLP channels; "
+                "use a smaller multiple"
+            )
+    order = {i: sorted(range(budget.n_chans[i]), key=lambda j: (-float(scores["mlp"][i][j]), j)) for i in live}
+    top = {i: budget.n_chans[i] // multiple * multiple for i in live}
+    keep = {}
+    for i in live:
+        k = budget.n_chans[i] - len(removed["mlp"][i])
+        keep[i] = min(max(int(round(k / multiple)) * multiple, multiple), top[i])
+    others = sum(len(s) for s in removed["attn"]) * budget.g_cost + sum(
+        len(removed["mlp"][i]) for i in range(n) if i not in keep) * budget.c_cost
+    step = multiple * budget.c_cost
+
+    def total() -> int:
+        return others + sum(budget.n_chans[i] - keep[i] for i in keep) * budget.c_cost
+
+    def step_score(i: int, k: int) -> float:
+        # Importance of the channels ranked k-multiple..k-1 (the next step to cut, or the last step cut).
+        return sum(float(scores["mlp"][i][j]) for j in order[i][k - multiple:k]) / step
+
+    while total() < budget.target:
+        cands = [i for i in keep if keep[i] - multiple >= multiple]
+        if not cands:
+            raise ValueError(f"align_channels={multiple}: the budget cannot be met with aligned channel counts")
+        i = min(cands, key=lambda i: (step_score(i, keep[i]), i))
+        keep[i] -= multiple
+    while total() - step >= budget.target:
+        cands = [i for i in keep if keep[i] + multiple <= top[i]]
+        if not cands:
+            break
+        i = max(cands, key=lambda i: (step_score(i, keep[i] + multiple), -i))
+        keep[i] += multiple
+    for i in keep:
+        removed["mlp"][i] = set(order[i][keep[i]:])
+    return removed

@@ -1,0 +1,238 @@
+"""Parameter bookkeeping shared by every allocation: unit costs, the target, greedy filling, plan building."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from prunelight.adapters import get_adapter, unwrap
+from prunelight.importance.base import UnitScores
+from prunelight.plan import LayerPlan, PrunePlan
+
+KIND_COST = {"attn": "g_cost", "mlp": "c_cost"}
+Removed = dict[str, list[set[int]]]  # kind -> per layer, the removed unit indices
+Unit = tuple[float, str, int, int, int]  # (score per parameter, kind, layer, index, cost)
+
+
+def count_params(model: nn.Module) -> int:
+    """Distinct parameters of a model (tied weights counted once)."""
+    return sum(p.numel() for p in unwrap(model).parameters())
+
+
+def decoder_params(model: nn.Module) -> int:
+    """Parameters inside the decoder layers (what width pruning can remove)."""
+    return sum(p.numel() for p in get_adapter(model).layers(model).parameters())
+
+
+def validate_ratio(ratio: float) -> None:
+    """A prune ratio is a fraction of the model's parameters in (0, 1)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) < 1.0:
+        raise ValueError(f"prune ratio must be a fraction of parameters in (0, 1), got {ratio!r}")
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+@dataclass
+class Budget:
+    """Sizes and costs of one model, and how many parameters the ratio asks to remove."""
+
+    n_groups: list[int]
+    n_chans: list[int]
+    g_cost: int
+    c_cost: int
+    attn_extra: list[int]  # attention parameters owned by no group (e.g. o_proj bias): gone with the sub-block
+    mlp_extra: list[int]
+    layer_extra: list[int]  # norms: gone only with the whole layer
+    total: int
+    decoder: int
+    target: int
+    ratio: float
+    min_groups: int
+    min_channels: int
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.n_groups)
+
+    def cost(self, kind: str) -> int:
+        """Parameters of one unit of `kind`."""
+        return self.g_cost if kind == "attn" else self.c_cost
+
+    def sizes(self, kind: str) -> list[int]:
+        """Units per layer of `kind`."""
+        return self.n_groups if kind == "attn" else self.n_chans
+
+    def limits(self, kind: str) -> list[int]:
+        """Most units of `kind` a width allocation may remove per layer."""
+        keep = self.min_groups if kind == "attn" else self.min_channels
+        return [max(n - keep, 0) for n in self.sizes(kind)]
+
+    def removable(self, kind: str) -> int:
+        """Most parameters width pruning may take from `kind`."""
+        return sum(self.limits(kind)) * self.cost(kind)
+
+    def layer_units(self, i: int) -> int:
+        """Unit parameters of layer i (what width pruning counts)."""
+        return self.n_groups[i] * self.g_cost + self.n_chans[i] * self.c_cost
+
+    def layer_total(self, i: int) -> int:
+        """Every parameter of layer i (what dropping it removes)."""
+        return self.layer_units(i) + self.attn_extra[i] + self.mlp_extra[i] + self.layer_extra[i]
+
+
+def make_budget(model: nn.Module, ratio: float, min_groups: int = 1, min_channels: int = 1) -> Budget:
+    """Measure `model` and turn `ratio` of its parameters into a removal target."""
+    validate_ratio(ratio)
+    for name, v in (("min_groups", min_groups), ("min_channels", min_channels)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    adapter = get_adapter(model)
+    config = unwrap(model).config
+    g_cost, c_cost = adapter.group_param_cost(config), adapter.channel_param_cost(config)
+    shapes = adapter.layer_shapes(model)
+    n_groups = [s.num_key_value_heads for s in shapes]
+    n_chans = [s.intermediate_size for s in shapes]
+    attn_extra, mlp_extra, layer_extra = [], [], []
+    for layer, g, c in zip(adapter.layers(model), n_groups, n_chans):
+        a, m = _numel(adapter.attn(layer)), _numel(adapter.mlp(layer))
+        attn_extra.append(a - g * g_cost)
+        mlp_extra.append(m - c * c_cost)
+        layer_extra.append(_numel(layer) - a - m)
+    total = count_params(model)
+    return Budget(n_groups, n_chans, g_cost, c_cost, attn_extra, mlp_extra, layer_extra, total,
+                  decoder_params(model), int(round(ratio * total)), float(ratio), min_groups, min_channels)
+
+
+def check_scores(scores: UnitScores, budget: Budget) -> None:
+    """Scores must have one value per unit of the model."""
+    for kind in ("attn", "mlp"):
+        got = [int(t.numel()) for t in scores[kind]]
+        if got != budget.sizes(kind):
+            raise ValueError(f"{kind} scores have sizes {got}, the model has {budget.sizes(kind)}")
+
+
+def empty_removed(budget: Budget) -> Removed:
+    """Nothing removed yet."""
+    return {kind: [set() for _ in budget.sizes(kind)] for kind in ("attn", "mlp")}
+
+
+def units(scores: UnitScores, budget: Budget, kinds=("attn", "mlp"), layers=None) -> list[Unit]:
+    """Candidate units sorted by importance per parameter (ties broken deterministically)."""
+    out = []
+    for kind in kinds:
+        cost = budget.cost(kind)
+        for i, t in enumerate(scores[kind]):
+            if layers is not None and i not in layers:
+                continue
+            for j, s in enumerate(t.float().tolist()):
+                out.append((s / cost, kind, i, j, cost))
+    out.sort(key=lambda u: (u[0], u[1], u[2], u[3]))
+    return out
+
+
+def removed_cost(budget: Budget, removed: Removed, kinds=("attn", "mlp")) -> int:
+    """Unit parameters removed so far."""
+    return sum(len(s) * budget.cost(kind) for kind in kinds for s in removed[kind])
+
+
+def fill(candidates: list[Unit], target: int, removed: Removed, limits: dict[str, list[int]], total: int,
+         nearest: bool = False) -> int:
+    """Remove candidates in order until `target` parameters are gone; returns the new total.
+
+    `nearest` takes a unit only when that brings the total closer to the target (used for per-layer
+    quotas, where overshooting one layer by a whole GQA group would starve the others).
+    """
+    for _, kind, i, j, cost in candidates:
+        if total >= target:
+            break
+        if j in removed[kind][i] or len(removed[kind][i]) >= limits[kind][i]:
+            continue
+        if nearest and total + cost - target > target - total:
+            continue
+        removed[kind][i].add(j)
+        total += cost
+    return total
+
+
+def trim(candidates: list[Unit], target: int, removed: Removed, total: int) -> int:
+    """Give back the most important removed units while the total stays >= target."""
+    for _, kind, i, j, cost in reversed(candidates):
+        if j in removed[kind][i] and total - cost >= target:
+            removed[kind][i].discard(j)
+            total -= cost
+    return total
+
+
+def build_plan(budget: Budget, removed: Removed, drop: set[int] | None = None) -> PrunePlan:
+    """A plan from removed units; a layer with both sub-blocks emptied is dropped whole."""
+    drop = set(drop or ())
+    layers = []
+    for i in range(budget.num_layers):
+        if i in drop:
+            layers.append(LayerPlan([], []))
+            continue
+        keep_g = [j for j in range(budget.n_groups[i]) if j not in removed["attn"][i]]
+        keep_c = [j for j in range(budget.n_chans[i]) if j not in removed["mlp"][i]]
+        if not keep_g and not keep_c:
+            drop.add(i)
+        layers.append(LayerPlan(keep_g, keep_c))
+    if len(drop) == budget.num_layers:
+        raise ValueError("this allocation would remove every decoder layer; lower the ratio")
+    return PrunePlan(layers=layers, num_groups=list(budget.n_groups), num_channels=list(budget.n_chans),
+                     drop_layers=sorted(drop))
+
+
+def plan_params_removed(budget: Budget, plan: PrunePlan) -> int:
+    """Exact parameters the plan removes (units, plus biases of emptied sub-blocks, plus norms of dropped layers)."""
+    removed = 0
+    for i, lp in enumerate(plan.layers):
+        removed += (budget.n_groups[i] - len(lp.keep_groups)) * budget.g_cost
+        removed += (budget.n_chans[i] - len(lp.keep_channels)) * budget.c_cost
+        removed += budget.attn_extra[i] * (not lp.keep_groups) + budget.mlp_extra[i] * (not lp.keep_channels)
+        removed += budget.layer_extra[i] * (i in plan.drop_layers)
+    return removed
+
+
+def plan_meta(budget: Budget, plan: PrunePlan) -> dict:
+    """Budget figures for the report."""
+    g, c = plan.removed_counts()
+    removed = plan_params_removed(budget, plan)
+    attn = sum((n - len(lp.keep_groups)) * budget.g_cost for n, lp in zip(budget.n_groups, plan.layers))
+    return {
+        "ratio": budget.ratio,
+        "params_total": budget.total,
+        "params_decoder": budget.decoder,
+        "params_target_removed": budget.target,
+        "params_removed": removed,
+        "removed_fraction_total": removed / budget.total,
+        "removed_fraction_decoder": removed / budget.decoder,
+        "budget_error_params": removed - budget.target,
+        "groups_removed": g,
+        "channels_removed": c,
+        "layers_dropped": list(plan.drop_layers),
+        "attn_share_removed": attn / max(removed_cost_plan(budget, plan), 1),
+        "layer_removed_fraction": [
+            1 - (len(lp.keep_groups) * budget.g_cost + len(lp.keep_channels) * budget.c_cost) / budget.layer_units(i)
+            if i not in plan.drop_layers else 1.0
+            for i, lp in enumerate(plan.layers)
+        ],
+    }
+
+
+def removed_cost_plan(budget: Budget, plan: PrunePlan) -> int:
+    """Unit parameters a plan removes."""
+    g, c = plan.removed_counts()
+    return g * budget.g_cost + c * budget.c_cost
+
+
+def lowest(t: torch.Tensor, k: int) -> set[int]:
+    """Indices of the k lowest scores (stable under ties)."""
+    if k <= 0:
+        return set()
+    order = sorted(range(t.numel()), key=lambda j: (float(t[j]), j))
+    return set(order[:k])

@@ -1,0 +1,129 @@
+"""`layerwise`: per-layer pruning rates from measured layer importance, then units chosen inside each layer.
+
+Importance is scaled to z in [0, 1] (`minmax`, or `rank` when one layer dwarfs the rest); a layer's
+weight is exp(-alpha*z) (`inverse`: important layers are cut less), exp(alpha*z) (`proportional`)
+or 1 (`uniform`). Rates are
+r_i = clip(c * w_i, lo, hi_i) with c found by bisection so that sum_i r_i * P_i equals the target
+(P_i: the layer's prunable parameters; hi_i also respects min_groups/min_channels). The `freeze_top_n`
+most important layers get rate 0. Rounding to whole units is corrected globally at the end so the
+budget is met within one unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, trim, units
+from prunelight.allocation.width import kind_targets, limits
+from prunelight.importance.base import UnitScores
+
+STRATEGIES = ("inverse", "proportional", "uniform")
+SCALES = ("minmax", "rank")  # how raw importance becomes z in [0, 1]
+
+
+def check_strategy(strategy: str, alpha: float, freeze_top_n: int, rate_range: Sequence[float]) -> None:
+    """Refuse bad layerwise options before any work."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown layerwise strategy {strategy!r}; available: {', '.join(STRATEGIES)}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"alpha (the spread of layer rates) must be a finite number >= 0, got {alpha!r}")
+    if isinstance(freeze_top_n, bool) or not isinstance(freeze_top_n, int) or freeze_top_n < 0:
+        raise ValueError(f"freeze_top_n must be an integer >= 0, got {freeze_top_n!r}")
+    if len(rate_range) != 2 or not 0.0 <= rate_range[0] < rate_range[1] <= 1.0:
+        raise ValueError(f"rate_range must be [low, high] with 0 <= low < high <= 1, got {list(rate_range)!r}")
+
+
+def check_scale(scale: str) -> None:
+    """Refuse an unknown importance scaling."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown importance_scale {scale!r}; available: {', '.join(SCALES)}")
+
+
+def layer_rates(
+    importance: Sequence[float],
+    budget: Budget,
+    strategy: str = "inverse",
+    alpha: float = 1.0,
+    freeze_top_n: int = 0,
+    rate_range: Sequence[float] = (0.0, 1.0),
+    scale: str = "minmax",
+) -> list[float]:
+    """Per-layer removal fractions of the prunable parameters that together meet the budget exactly."""
+    check_strategy(strategy, alpha, freeze_top_n, rate_range)
+    check_scale(scale)
+    n = budget.num_layers
+    if len(importance) != n:
+        raise ValueError(f"layer importance has {len(importance)} values for {n} layers")
+    if freeze_top_n >= n:
+        raise ValueError(f"freeze_top_n={freeze_top_n} freezes every layer (the model has {n}); nothing left to prune")
+    imp = [float(v) for v in importance]
+    if scale == "rank":
+        ranks = sorted(range(n), key=lambda i: (imp[i], i))
+        z = [0.0] * n
+        for r, i in enumerate(ranks):
+            z[i] = r / (n - 1) if n > 1 else 0.0
+    else:
+        lo_v, hi_v = min(imp), max(imp)
+        z = [(v - lo_v) / (hi_v - lo_v) if hi_v > lo_v else 0.0 for v in imp]
+    sign = {"inverse": -1.0, "proportional": 1.0, "uniform": 0.0}[strategy]
+    w = [math.exp(sign * alpha * zi) for zi in z]
+    frozen = set(sorted(range(n), key=lambda i: (-imp[i], i))[:freeze_top_n])
+    sizes = [budget.layer_units(i) for i in range(n)]
+    lim_g, lim_c = budget.limits("attn"), budget.limits("mlp")
+    cap = [(lim_g[i] * budget.g_cost + lim_c[i] * budget.c_cost) / sizes[i] for i in range(n)]
+    lo = [0.0 if i in frozen else min(rate_range[0], cap[i]) for i in range(n)]
+    hi = [0.0 if i in frozen else min(rate_range[1], cap[i]) for i in range(n)]
+    most, least = sum(h * s for h, s in zip(hi, sizes)), sum(v * s for v, s in zip(lo, sizes))
+    if budget.target > most:
+        raise ValueError(
+            f"layer rates cannot meet the budget: {budget.target:,} parameters must go but at most {int(most):,} can "
+            f"with rate_range {list(rate_range)} and {freeze_top_n} frozen layer(s); raise the high rate, freeze "
+            "fewer layers or lower the ratio"
+        )
+    if budget.target < least:
+        raise ValueError(
+            f"layer rates overshoot the budget: the low rate {rate_range[0]} alone removes {int(least):,} parameters, "
+            f"more than the {budget.target:,} asked; lower the low rate or raise the ratio"
+        )
+
+    def rates(c: float) -> list[float]:
+        return [min(max(c * wi, l), h) for wi, l, h in zip(w, lo, hi)]
+
+    a, b = 0.0, 1.0
+    while sum(r * s for r, s in zip(rates(b), sizes)) < budget.target:
+        b *= 2
+    for _ in range(100):
+        mid = (a + b) / 2
+        if sum(r * s for r, s in zip(rates(mid), sizes)) < budget.target:
+            a = mid
+        else:
+            b = mid
+    return rates(b)
+
+
+def layerwise_width(
+    scores: UnitScores, budget: Budget, rates: Sequence[float], attn_share: float | None = None
+) -> Removed:
+    """Remove each layer's quota (rate x its prunable parameters) of its least important units, then fix the total."""
+    removed = empty_removed(budget)
+    lim = limits(budget)
+    targets = kind_targets(budget, attn_share)
+    active = [i for i, r in enumerate(rates) if r > 0]
+    for i in active:
+        quota = rates[i] * budget.layer_units(i)
+        if targets is None:
+            fill(units(scores, budget, layers={i}), int(round(quota)), removed, lim, 0, nearest=True)
+        else:
+            for kind in ("attn", "mlp"):
+                share = targets[kind] / budget.target
+                fill(units(scores, budget, kinds=(kind,), layers={i}), int(round(share * quota)), removed, lim, 0,
+                     nearest=True)
+    # Whole-unit rounding in each layer leaves the total a little off: correct it over the unfrozen layers.
+    groups = [(("attn", "mlp"), budget.target)] if targets is None else [((k,), t) for k, t in targets.items()]
+    for kinds, target in groups:
+        cands = units(scores, budget, kinds=kinds, layers=set(active))
+        total = sum(len(s) * budget.cost(k) for k in kinds for s in removed[k])
+        total = trim(cands, target, removed, total)
+        fill(cands, target, removed, lim, total)
+    return removed

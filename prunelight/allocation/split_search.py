@@ -1,0 +1,127 @@
+"""The attention:MLP budget split: parse "x:y", and search it on calibration perplexity.
+
+The search walks a coarse grid of attention shares from a start point in both directions, stopping
+a direction once the score has risen `patience` times in a row, then tries a finer grid around the
+best coarse point. Scores come from the caller (calibration-text NLL of the masked model), never
+from the evaluation split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from prunelight.adapters import get_adapter, unwrap
+from prunelight.plan import PrunePlan
+from prunelight.surgery import head_rows
+
+
+def parse_split(split: str | None) -> float | None:
+    """'x:y' -> the attention share x / (x + y); None or 'auto' pass through as None."""
+    if split is None or split == "auto":
+        return None
+    if isinstance(split, int) and not isinstance(split, bool):
+        # YAML 1.1 reads an unquoted 1:3 as the base-60 number 63.
+        raise ValueError(f"attn_mlp_split is the number {split}: an unquoted x:y in YAML is read as a base-60 number; "
+                         "quote it, e.g. attn_mlp_split: \"1:3\"")
+    parts = str(split).split(":")
+    try:
+        x, y = (float(p) for p in parts)
+    except ValueError:
+        x = y = -1.0
+    if len(parts) != 2 or x < 0 or y < 0 or x + y <= 0:
+        raise ValueError(
+            f"attn_mlp_split must be 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), or 'auto'; got {split!r}"
+        )
+    return x / (x + y)
+
+
+def check_search(step: float, fine_step: float, patience: int) -> None:
+    """Refuse search settings that cannot work."""
+    if not 0 < step <= 0.5:
+        raise ValueError(f"split_step must be in (0, 0.5], got {step!r}")
+    if not 0 < fine_step < step:
+        raise ValueError(f"split_fine_step must be in (0, split_step={step}), got {fine_step!r}")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        raise ValueError(f"split_patience must be an integer >= 1, got {patience!r}")
+
+
+def search_split(
+    score: Callable[[float], float],
+    start: float,
+    low: float = 0.0,
+    high: float = 1.0,
+    step: float = 0.1,
+    fine_step: float = 0.025,
+    patience: int = 2,
+) -> tuple[float, list[tuple[float, float]]]:
+    """Best attention share in [low, high] under `score` (lower is better), and every (share, score) tried."""
+    check_search(step, fine_step, patience)
+    if not low <= high:
+        raise ValueError(f"no feasible attention share: the range [{low:.3f}, {high:.3f}] is empty")
+    seen: dict[float, float] = {}
+
+    def f(s: float) -> float:
+        key = round(min(max(s, low), high), 6)
+        if key not in seen:
+            seen[key] = float(score(key))
+        return seen[key]
+
+    start = min(max(start, low), high)
+    base = f(start)
+    for direction in (1, -1):
+        last, rising, k = base, 0, 1
+        while True:
+            s = start + direction * k * step
+            if s < low - 1e-9 or s > high + 1e-9:
+                break
+            v = f(s)
+            rising = rising + 1 if v > last else 0
+            last, k = v, k + 1
+            if rising >= patience:
+                break
+    best = min(seen, key=lambda s: (seen[s], s))
+    n_fine = int(round(step / fine_step))
+    for k in range(1, n_fine):
+        for s in (best - k * fine_step, best + k * fine_step):
+            if low - 1e-9 <= s <= high + 1e-9:
+                f(s)
+    best = min(seen, key=lambda s: (seen[s], s))
+    return best, sorted(seen.items())
+
+
+@contextlib.contextmanager
+def masked(model: nn.Module, plan: PrunePlan) -> Iterator[None]:
+    """Run `model` as if `plan` were applied, without changing any weight (input masks on o_proj / down_proj)."""
+    base = unwrap(model)
+    adapter = get_adapter(base)
+    hd = adapter.head_dim(base.config)
+    handles = []
+
+    def mask_hook(mask):
+        return lambda module, args: (args[0] * mask.to(args[0].dtype),)
+
+    try:
+        for i, (layer, lp, shape) in enumerate(zip(adapter.layers(base), plan.layers, adapter.layer_shapes(base))):
+            dropped = i in plan.drop_layers
+            attn, mlp = adapter.attn(layer), adapter.mlp(layer)
+            if attn is not None and (dropped or len(lp.keep_groups) < plan.num_groups[i]):
+                o = adapter.o(attn)
+                mask = torch.zeros(o.in_features, device=o.weight.device)
+                if not dropped:
+                    rep = shape.num_attention_heads // shape.num_key_value_heads
+                    mask[head_rows(sorted(lp.keep_groups), rep, hd).to(mask.device)] = 1
+                handles.append(o.register_forward_pre_hook(mask_hook(mask)))
+            if mlp is not None and (dropped or len(lp.keep_channels) < plan.num_channels[i]):
+                down = adapter.gate_up_down(mlp)[2]
+                mask = torch.zeros(down.in_features, device=down.weight.device)
+                if not dropped and lp.keep_channels:
+                    mask[torch.tensor(lp.keep_channels, device=mask.device)] = 1
+                handles.append(down.register_forward_pre_hook(mask_hook(mask)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()

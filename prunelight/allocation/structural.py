@@ -1,0 +1,94 @@
+"""Allocations that remove whole structures: `blockwise` (attention / MLP sub-blocks) and `depth` (whole layers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prunelight.allocation.budget import Budget, Removed, empty_removed
+from prunelight.allocation.width import global_width
+from prunelight.importance.base import UnitScores
+
+BLOCK_IMPORTANCE = ("units", "removal")
+
+
+def block_scores_from_units(scores: UnitScores) -> dict[str, list[float]]:
+    """A sub-block's importance as the sum of its units' scores (first-order: the loss change of removing all)."""
+    return {kind: [float(t.float().sum()) for t in scores[kind]] for kind in ("attn", "mlp")}
+
+
+def _remove_block(budget: Budget, removed: Removed, kind: str, i: int) -> int:
+    removed[kind][i] = set(range(budget.sizes(kind)[i]))
+    return budget.sizes(kind)[i] * budget.cost(kind) + (budget.attn_extra if kind == "attn" else budget.mlp_extra)[i]
+
+
+def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequence[float]] | None = None,
+              fill_width: bool = True) -> tuple[Removed, list[tuple[str, int]]]:
+    """Remove the sub-blocks with the lowest importance per parameter; width-prune the rest to the exact budget.
+
+    Without `fill_width`, sub-blocks are removed until the budget is met (overshooting by less than one block).
+    """
+    block_scores = block_scores or block_scores_from_units(scores)
+    blocks = []
+    for kind in ("attn", "mlp"):
+        for i, s in enumerate(block_scores[kind]):
+            n = budget.sizes(kind)[i]
+            if n == 0 or s is None:
+                continue
+            size = n * budget.cost(kind)
+            blocks.append((float(s) / size, kind, i, size))
+    blocks.sort(key=lambda b: (b[0], b[1], b[2]))
+    removed = empty_removed(budget)
+    total, gone = 0, []
+    for _, kind, i, size in blocks:
+        if total >= budget.target:
+            break
+        if fill_width and total + size > budget.target:
+            continue  # a smaller block further down may still fit; the rest is width pruning
+        if len(gone) == 2 * budget.num_layers - 1:
+            break  # never remove the last sub-block
+        total += _remove_block(budget, removed, kind, i)
+        gone.append((kind, i))
+    if fill_width and total < budget.target:
+        # Width pruning of the remaining sub-blocks takes the rest; removed ones count as already taken.
+        global_width(scores, budget, removed=removed, layers=None)
+    elif total < budget.target:
+        raise ValueError(f"blockwise removal reached only {total:,} of {budget.target:,} parameters; lower the ratio")
+    return removed, gone
+
+
+def depth(
+    scores: UnitScores, budget: Budget, importance: Sequence[float], fill_width: bool = True
+) -> tuple[Removed, set[int]]:
+    """Drop the least important whole layers (ShortGPT); optionally width-prune the rest to the exact budget.
+
+    With `fill_width` as many layers as fit in the budget are dropped and width pruning takes the
+    remainder; without it the layer count closest to the budget is dropped.
+    """
+    n = budget.num_layers
+    if len(importance) != n:
+        raise ValueError(f"layer importance has {len(importance)} values for {n} layers")
+    order = sorted(range(n), key=lambda i: (float(importance[i]), i))
+    drop: set[int] = set()
+    total = 0
+    for i in order:
+        size = budget.layer_total(i)
+        over = total + size - budget.target
+        if (fill_width and over > 0) or (not fill_width and over > budget.target - total):
+            break
+        drop.add(i)
+        total += size
+    if not fill_width and not drop:
+        raise ValueError(f"ratio {budget.ratio} is less than half a layer; depth pruning would remove nothing")
+    if len(drop) >= n:
+        raise ValueError(f"ratio {budget.ratio} would drop all {n} layers; lower the ratio")
+    removed = empty_removed(budget)
+    for i in drop:
+        for kind in ("attn", "mlp"):
+            removed[kind][i] = set(range(budget.sizes(kind)[i]))
+    if fill_width and total < budget.target:
+        # Dropped layers' units already count; width pruning fills the remainder in the kept layers.
+        kept = {i for i in range(n) if i not in drop}
+        extra = total - sum(budget.layer_units(i) for i in drop)  # norms and biases also went
+        shifted = Budget(**{**budget.__dict__, "target": budget.target - extra})
+        global_width(scores, shifted, removed=removed, layers=kept)
+    return removed, drop

@@ -1,0 +1,60 @@
+"""Criteria built from weight gradients, reduced per unit the moment each gradient is accumulated.
+
+Only the weights units own require grad during calibration. A post-accumulate-grad hook folds each
+parameter's gradient into per-unit sums and then drops it (p.grad = None), so at most the gradients
+autograd is currently producing exist, never a second copy of the model's gradients. Calibration runs
+these one sample at a time (`micro_batch_size=1`), so every statistic is a sum over samples and the
+per-rank sums of a distributed run add up exactly to the one-process result.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from prunelight.adapters import ArchAdapter
+from prunelight.importance.base import KINDS, Criterion, UnitScores, check_objective
+from prunelight.importance.ownership import OwnedTensor, owned_tensors
+
+
+class WeightGradCriterion(Criterion):
+    """Base: per-unit sums of an element-wise function of (w, dL/dw) for every sample."""
+
+    needs_backward = True
+
+    def __init__(self, objective: str = "lm", micro_batch_size: int = 1) -> None:
+        super().__init__()
+        self.loss = check_objective(objective)
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.micro_batch_size = micro_batch_size
+        self._owned: list[OwnedTensor] = []
+
+    def grad_params(self, model: nn.Module) -> list[nn.Parameter]:
+        return [o.param for o in owned_tensors(model)]
+
+    def extra_stats(self) -> dict[str, list[torch.Tensor]]:
+        """Further per-unit accumulators of a subclass (same layout as `stats`), keyed by name."""
+        return {}
+
+    @abstractmethod
+    def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
+        """Fold one parameter's fp32 weight and gradient into the per-unit statistics."""
+
+    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+        self._owned = owned_tensors(model)
+        for owned in self._owned:
+            self._handles.append(owned.param.register_post_accumulate_grad_hook(self._hook(owned)))
+
+    def _hook(self, owned: OwnedTensor):
+        def hook(p: torch.Tensor) -> None:
+            with torch.no_grad():
+                self.accumulate(owned, p.detach().float(), p.grad.float())
+            p.grad = None  # the reduced statistic is all we keep
+
+        return hook
+
+    def scores(self, model: nn.Module) -> UnitScores:
+        return {kind: [t.clone() for t in self.stats[kind]] for kind in KINDS}

@@ -1,0 +1,319 @@
+"""Every importance criterion x every allocation at one prune ratio, without recovery.
+
+For each criterion in the registry, a fresh subprocess loads the model and the pre-tokenized data,
+scores every unit once (timed; peak memory read from the process's own high-water mark), then for
+each allocation registered in `prunelight.allocation.ALLOCATIONS` allocates the budget, cuts a fresh
+copy of the model and measures WikiText-2 perplexity. Results go to a Markdown table (stdout and
+--out) and JSON (--json), both written atomically.
+
+Peak memory: on Linux CPU, the criterion's own process resets its resident-set high-water mark
+(/proc/self/clear_refs) once the model and token tensors are loaded, and reads VmHWM after scoring:
+"peak memory" is the process's peak RSS while scoring and "scoring +MiB" is that peak minus the RSS
+just before scoring, i.e. what the criterion itself needed. (Without /proc, ru_maxrss is used, which
+also counts import and model-loading peaks.) tracemalloc does not see torch's allocator, so it is not
+used. On CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats is reported instead.
+
+Reference run (the README table; ~15-25 min on 2 CPU cores with 5 allocations):
+    python scripts/benchmark_methods.py --out results/criteria.md --json results/criteria.json
+Quick check:
+    python scripts/benchmark_methods.py --samples 8 --eval-tokens 4096 --criteria taylor,wanda
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+# Options passed to `allocate` per allocation method; methods not listed get none. Extend here. A value
+# may also be a callable (model, calibration_batches) -> dict, for allocations that need data.
+ALLOCATION_ARGS: dict[str, dict | Callable[..., dict]] = {
+    "global": {},
+    "uniform": {},
+}
+
+
+def _allocations() -> list[str]:
+    """Allocation methods registered at run time (a tuple of names or a name -> function mapping)."""
+    from prunelight import allocation
+
+    return list(allocation.ALLOCATIONS)
+
+
+def _status_mib(field: str) -> float | None:
+    """A memory field (VmRSS, VmHWM) of /proc/self/status in MiB; None without /proc."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # reported in kB
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak(device: torch.device) -> float:
+    """Start a fresh peak-memory window; returns the memory in use now (MiB)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+    return _status_mib("VmRSS") or _peak_mib(device)
+
+
+def _peak_mib(device: torch.device) -> float:
+    """Peak memory since the last `_reset_peak` (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return _status_mib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB
+
+
+def _load_model(path: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def prepare_data(args: argparse.Namespace, data_file: Path) -> dict:
+    """Tokenize calibration windows and evaluation blocks once; save them for the workers."""
+    from prunelight.data import PruneDataModule, TextSource
+
+    eval_blocks = args.eval_tokens // args.seq_len if args.eval_tokens else None
+    if eval_blocks == 0:
+        raise ValueError(f"--eval-tokens {args.eval_tokens} is shorter than one block of --seq-len {args.seq_len}")
+    dm = PruneDataModule(
+        calibration=TextSource(path=str(args.calibration)),
+        eval=TextSource(path=str(args.eval)),
+        tokenizer=str(args.model),
+        num_samples=args.samples,
+        seq_len=args.seq_len,
+        calibration_batch_size=args.batch_size,
+        eval_batch_size=args.eval_batch_size,
+        max_eval_blocks=eval_blocks,
+        seed=args.seed,
+    )
+    dm.setup()
+    torch.save({"calib": dm.calib_blocks, "eval": dm.eval_blocks}, data_file)
+    return {"calibration_samples": int(dm.calib_blocks.shape[0]), "eval_blocks": int(dm.eval_blocks.shape[0])}
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
+    from prunelight.allocation import allocate
+    from prunelight.calibration import run_calibration
+    from prunelight.importance import build_criterion
+    from prunelight.perplexity import evaluate_perplexity
+    from prunelight.surgery import apply_plan
+
+    device = torch.device(args.device)
+    model = _load_model(args.model, device)
+    data = torch.load(args.data_file)
+    calib = list(torch.split(data["calib"], args.batch_size))
+    evals = list(torch.split(data["eval"], args.eval_batch_size))
+    result: dict = {"criterion": args.worker, "rows": []}
+    if args.worker == "dense":
+        ppl = evaluate_perplexity(model, evals)
+        result["rows"].append({"allocation": "-", "ppl": ppl["ppl"], "eval_tokens": ppl["tokens"], "params_removed": 0})
+        return result
+
+    criterion = build_criterion(args.worker, **json.loads(args.criterion_args).get(args.worker, {}))
+    before = _reset_peak(device)
+    t0 = time.perf_counter()
+    scores = run_calibration(model, calib if criterion.needs_data else [], criterion)
+    result["scoring_s"] = time.perf_counter() - t0
+    result["peak_mib"] = _peak_mib(device)
+    result["scoring_extra_mib"] = result["peak_mib"] - before
+    result["samples"] = criterion.num_samples
+
+    extra_args = json.loads(args.allocation_args)
+    for method in args.allocations:
+        row: dict = {"allocation": method}
+        try:
+            base_opts = ALLOCATION_ARGS.get(method, {})
+            if callable(base_opts):
+                base_opts = base_opts(model, calib)
+            opts = {**base_opts, **extra_args.get(method, {})}
+            plan = allocate(model, scores, args.ratio, method, **opts)
+            pruned = copy.deepcopy(model)
+            apply_plan(pruned, plan)
+            ppl = evaluate_perplexity(pruned, evals)
+            row.update(
+                ppl=ppl["ppl"],
+                eval_tokens=ppl["tokens"],
+                params_removed=plan.meta["params_removed"],
+                removed_fraction=plan.meta["removed_fraction_total"],
+                params_after=sum(p.numel() for p in pruned.parameters()),
+            )
+            del pruned
+        except Exception as err:  # noqa: BLE001 - reported in the table; must not void a long run
+            row["error"] = f"{type(err).__name__}: {err}"
+        result["rows"].append(row)
+    return result
+
+
+def _markdown(meta: dict, results: list[dict]) -> str:
+    lines = [
+        (
+            f"Model `{meta['model_name']}` ({meta['params_total']:,} parameters), "
+            f"{meta['ratio']:.0%} of parameters removed, no recovery. "
+            f"Calibration: {meta['calibration_samples']} x {meta['seq_len']} tokens of "
+            f"{meta['calibration_name']} (seed {meta['seed']}); perplexity on {meta['eval_tokens']:,} scored tokens of "
+            f"{meta['eval_name']} ({meta['eval_blocks']} blocks of {meta['seq_len']}). "
+            f"Peak memory: {meta['memory_note']}. "
+            f"{meta['threads']} thread(s), torch {meta['torch']}, {meta['device']}."
+        ),
+        "",
+        "| criterion | allocation | params removed | WikiText-2 ppl | scoring time (s) | peak memory (MiB) "
+        + "| scoring +MiB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row:
+                cells = [res["criterion"], row["allocation"], "—", f"error: {row['error']}", "", "", ""]
+            else:
+                removed = row["params_removed"]
+                frac = removed / meta["params_total"]
+                cells = [
+                    res["criterion"],
+                    row["allocation"],
+                    f"{removed:,} ({frac:.1%})",
+                    f"{row['ppl']:.2f}",
+                    f"{res['scoring_s']:.1f}" if "scoring_s" in res else "—",
+                    f"{res['peak_mib']:.0f}" if "peak_mib" in res else "—",
+                    f"{res['scoring_extra_mib']:.0f}" if "scoring_extra_mib" in res else "—",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: Path) -> list[str]:
+    return [
+        sys.executable, __file__, "--worker", name, "--worker-out", str(out_file), "--data-file", str(data_file),
+        "--model", str(args.model), "--ratio", str(args.ratio), "--batch-size", str(args.batch_size),
+        "--eval-batch-size", str(args.eval_batch_size), "--device", args.device, "--threads", str(args.threads),
+        "--allocations", ",".join(args.allocations), "--criterion-args", args.criterion_args,
+        "--allocation-args", args.allocation_args,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the criterion x allocation benchmark (or one worker of it)."""
+    from prunelight.importance import CRITERIA
+    from prunelight.io import atomic_write_json, atomic_write_text
+    from prunelight.testing import shared_dir
+
+    shared = shared_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
+    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
+    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
+    p.add_argument("--criteria", default=",".join(CRITERIA), help="comma-separated names (default: all registered)")
+    p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
+    p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
+    p.add_argument("--allocation-args", default="{}", help='JSON, merged over ALLOCATION_ARGS: {"global": {...}}')
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--eval-tokens", type=int, default=65536, help="test-set prefix in tokens; 0 = the whole set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="results.md")
+    p.add_argument("--json", default=None, help="JSON results (default: --out with .json)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--data-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.model:
+        p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED)")
+    torch.set_num_threads(args.threads)
+    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
+
+    if args.worker:
+        atomic_write_json(args.worker_out, run_worker(args))
+        return
+
+    criteria = [c for c in args.criteria.split(",") if c]
+    unknown = [c for c in criteria if c not in CRITERIA]
+    bad_alloc = [a for a in args.allocations if a not in _allocations()]
+    if unknown or bad_alloc:
+        p.error(
+            f"unknown criteria {unknown} / allocations {bad_alloc}; available: {sorted(CRITERIA)} / {_allocations()}"
+        )
+    from transformers import AutoConfig
+
+    from prunelight.allocation import count_params
+
+    with tempfile.TemporaryDirectory(prefix="prunelight-bench-") as tmp:
+        data_file = Path(tmp) / "data.pt"
+        t0 = time.perf_counter()
+        data_meta = prepare_data(args, data_file)
+        print(f"data prepared in {time.perf_counter() - t0:.1f}s: {data_meta}", flush=True)
+        results = []
+        for name in ["dense", *criteria]:
+            out_file = Path(tmp) / f"{name}.json"
+            t0 = time.perf_counter()
+            proc = subprocess.run(_worker_cmd(args, name, data_file, out_file), check=False)
+            if proc.returncode != 0 or not out_file.exists():  # keep the other criteria of a long run
+                err = f"worker exited with status {proc.returncode} (see its traceback above)"
+                results.append({"criterion": name, "rows": [{"allocation": a, "error": err} for a in args.allocations]})
+                if name == "dense":
+                    raise SystemExit(f"the dense baseline failed: {err}")
+                continue
+            results.append(json.loads(out_file.read_text()))
+            print(f"{name}: done in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    config = AutoConfig.from_pretrained(args.model)
+    model = _load_model(args.model, torch.device("cpu"))
+    meta = {
+        "model": str(args.model),
+        "model_name": Path(args.model).name,
+        "model_type": config.model_type,
+        "params_total": count_params(model),
+        "ratio": args.ratio,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "calibration_name": Path(args.calibration).parent.name + "/" + Path(args.calibration).name,
+        "eval_name": Path(args.eval).parent.name + "/" + Path(args.eval).name,
+        "eval_tokens": results[0]["rows"][0]["eval_tokens"],
+        "memory_note": "CUDA max allocated while scoring"
+        if args.device.startswith("cuda")
+        else "peak RSS of the scoring process while scoring (VmHWM); +MiB = above the RSS with the model loaded",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+        "allocations": args.allocations,
+        "criterion_args": json.loads(args.criterion_args),
+        **data_meta,
+    }
+    table = _markdown(meta, results)
+    print(f"\nevaluated on {meta['eval_tokens']:,} tokens ({meta['eval_blocks']} blocks)\n")
+    print(table)
+    atomic_write_text(args.out, table)
+    atomic_write_json(args.json or str(Path(args.out).with_suffix(".json")), {"meta": meta, "results": results})
+
+
+if __name__ == "__main__":
+    main()

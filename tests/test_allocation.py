@@ -1,0 +1,270 @@
+"""Allocations meet the parameter budget, honour their options, and refuse bad input before any work."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from prunelight.allocation import allocate, count_params
+from prunelight.allocation.budget import make_budget
+from prunelight.allocation.layerwise import layer_rates
+from prunelight.allocation.split_search import parse_split, search_split
+from prunelight.callbacks import PruningCallback
+from prunelight.calibration import run_calibration
+from prunelight.cli import cli_main
+from prunelight.importance import build_criterion
+from prunelight.pipeline import make_plan
+from prunelight.surgery import apply_plan, mask_units
+from prunelight.testing import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+IMPORTANCE = [0.5, 3.0, 1.0, 2.0]  # layer 1 most important, layer 0 least
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", num_hidden_layers=4)
+    batches = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    scores = run_calibration(model, batches, build_criterion("taylor"))
+    return model, batches, scores
+
+
+def _cut(model, plan) -> int:
+    """Apply to a copy; the parameters actually removed."""
+    cut = copy.deepcopy(model)
+    before = count_params(cut)
+    apply_plan(cut, plan)
+    return before - count_params(cut)
+
+
+def _max_unit(budget) -> int:
+    return max(budget.g_cost, budget.c_cost)
+
+
+@pytest.mark.parametrize("strategy", ["inverse", "proportional", "uniform"])
+def test_layerwise_meets_budget(setup, strategy):
+    model, _, scores = setup
+    budget = make_budget(model, 0.3)
+    plan = allocate(model, scores, 0.3, "layerwise", layer_scores=IMPORTANCE, strategy=strategy, alpha=2.0)
+    removed = _cut(model, plan)
+    assert removed == plan.meta["params_removed"]
+    assert budget.target <= removed < budget.target + _max_unit(budget)
+    rates = plan.meta["layer_rates"]
+    assert sum(r * budget.layer_units(i) for i, r in enumerate(rates)) == pytest.approx(budget.target, rel=1e-6)
+    order = sorted(range(4), key=lambda i: IMPORTANCE[i])
+    if strategy == "inverse":  # important layers are cut less
+        assert [rates[i] for i in order] == sorted(rates, reverse=True)
+    elif strategy == "proportional":
+        assert [rates[i] for i in order] == sorted(rates)
+    else:
+        assert max(rates) - min(rates) < 1e-9
+
+
+def test_layer_rates_clip_freeze_and_spread(setup):
+    model, _, _ = setup
+    budget = make_budget(model, 0.25)
+    flat = layer_rates(IMPORTANCE, budget, "inverse", alpha=0.0)
+    assert max(flat) - min(flat) < 1e-9  # alpha 0: no spread
+    mild = layer_rates(IMPORTANCE, budget, "inverse", alpha=0.5)
+    steep = layer_rates(IMPORTANCE, budget, "inverse", alpha=3.0)
+    assert max(steep) - min(steep) > max(mild) - min(mild)
+    clipped = layer_rates(IMPORTANCE, budget, "inverse", alpha=5.0, rate_range=(0.1, 0.4))
+    assert all(0.1 - 1e-9 <= r <= 0.4 + 1e-9 for r in clipped)
+    frozen = layer_rates(IMPORTANCE, budget, "inverse", alpha=1.0, freeze_top_n=2)
+    assert frozen[1] == 0 and frozen[3] == 0 and min(frozen[0], frozen[2]) > 0
+    total = sum(r * budget.layer_units(i) for i, r in enumerate(frozen))
+    assert total == pytest.approx(budget.target, rel=1e-6)  # the others take the frozen layers' share
+
+
+def test_rank_scale_resists_an_outlier(setup):
+    model, _, _ = setup
+    budget = make_budget(model, 0.25)
+    outlier = [1000.0, 1.0, 2.0, 3.0]  # layer 0 dwarfs the rest, as removal importance of layer 0 often does
+    by_value = layer_rates(outlier, budget, "inverse", alpha=2.0)
+    by_rank = layer_rates(outlier, budget, "inverse", alpha=2.0, scale="rank")
+    assert max(by_value[1:]) - min(by_value[1:]) < 0.01  # min-max squashes layers 1..3 together
+    assert by_rank[1] > by_rank[2] > by_rank[3] > by_rank[0]
+    assert sum(r * budget.layer_units(i) for i, r in enumerate(by_rank)) == pytest.approx(budget.target, rel=1e-6)
+
+
+def test_frozen_layers_untouched(setup):
+    model, _, scores = setup
+    plan = allocate(model, scores, 0.25, "layerwise", layer_scores=IMPORTANCE, freeze_top_n=1)
+    assert plan.layers[1].keep_groups == [0, 1] and len(plan.layers[1].keep_channels) == 96
+
+
+@pytest.mark.parametrize("split, share", [("1:3", 0.25), ("0:1", 0.0)])
+def test_attention_mlp_split(setup, split, share):
+    model, _, scores = setup
+    budget = make_budget(model, 0.3)
+    plan = allocate(model, scores, 0.3, "global", attn_share=parse_split(split))
+    attn = plan.removed_counts()[0] * budget.g_cost
+    assert abs(attn - share * budget.target) <= budget.g_cost
+    assert plan.meta["params_removed"] >= budget.target
+
+
+def test_alignment_keeps_multiples_and_budget(setup):
+    model, _, scores = setup
+    budget = make_budget(model, 0.3)
+    plan = allocate(model, scores, 0.3, "global", align_channels=16)
+    kept = [len(lp.keep_channels) for lp in plan.layers]
+    assert all(k % 16 == 0 and k >= 16 for k in kept), kept
+    assert len(set(kept)) > 1  # rebalanced per layer, not one uniform width
+    removed = _cut(model, plan)
+    assert budget.target <= removed < budget.target + 16 * budget.c_cost + budget.g_cost
+
+
+def test_blockwise_removes_subblocks_then_width(setup):
+    model, _, scores = setup
+    budget = make_budget(model, 0.4)
+    plan = allocate(model, scores, 0.4, "blockwise")
+    assert plan.meta["blocks_removed"], "no whole sub-block removed"
+    empties = [lp for lp in plan.layers if not lp.keep_groups or not lp.keep_channels]
+    assert empties
+    removed = _cut(model, plan)
+    assert budget.target <= removed < budget.target + _max_unit(budget)
+    masked, cut = copy.deepcopy(model), copy.deepcopy(model)
+    mask_units(masked, plan)
+    apply_plan(cut, plan)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(cut(ids).logits, masked(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_global_may_empty_and_drop_a_layer(setup):
+    model, _, scores = setup
+    weak = {k: [t.clone() for t in v] for k, v in scores.items()}
+    for kind in weak:
+        weak[kind][2] = weak[kind][2] * 1e-6  # layer 2 matters least by far
+    spine = allocate(model, weak, 0.25, "global")
+    assert not spine.drop_layers and spine.layers[2].keep_groups  # default keeps one unit per layer
+    plan = allocate(model, weak, 0.25, "global", min_groups=0, min_channels=0)
+    assert plan.drop_layers == [2]
+    cut = copy.deepcopy(model)
+    apply_plan(cut, plan)
+    assert len(cut.model.layers) == 3
+    assert cut.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+def test_search_stops_early_on_rising_perplexity():
+    calls = []
+
+    def score(share):
+        calls.append(share)
+        return (share - 0.3) ** 2  # rises on both sides of 0.3
+
+    best, tried = search_split(score, start=0.3, low=0.0, high=1.0, step=0.1, fine_step=0.05, patience=2)
+    assert best == pytest.approx(0.3)
+    coarse = [s for s in calls if abs(s * 10 - round(s * 10)) < 1e-6]
+    assert sorted(coarse) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])  # 0.6 ... 1.0 never scored
+    assert len(calls) == len(set(calls)) == 7  # + fine points 0.25 and 0.35
+    assert len(tried) == 7
+
+
+def test_search_finds_a_minimum_off_the_grid():
+    best, _ = search_split(lambda s: abs(s - 0.62), start=0.2, step=0.1, fine_step=0.02, patience=2)
+    assert best == pytest.approx(0.62)
+
+
+def test_auto_split_in_make_plan(setup, monkeypatch):
+    model, batches, _ = setup
+    import prunelight.pipeline as pipeline
+
+    seen = []
+    real = pipeline.calibration_nll
+
+    def spy(model, plan, scored_batches, reduce_sum=None):
+        seen.append(scored_batches)
+        return real(model, plan, scored_batches, reduce_sum)
+
+    monkeypatch.setattr(pipeline, "calibration_nll", spy)
+    plan, _ = make_plan(model, batches, 0.3, allocation="global",
+                        allocation_args={"attn_mlp_split": "auto", "split_step": 0.25, "split_fine_step": 0.125})
+    search = plan.meta["split_search"]
+    assert plan.meta["attn_share_target"] == search["best"]
+    assert min(t["calibration_nll"] for t in search["tried"]) == pytest.approx(
+        next(t["calibration_nll"] for t in search["tried"] if t["attn_share"] == search["best"]))
+    assert seen and all(b is not None and all(any(x is y for y in batches) for x in b) for b in seen)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(allocation="layerwise", strategy="log"), "unknown layerwise strategy 'log'.*inverse"),
+        (dict(allocation="depth", layer_importance="cka"), "unknown layer importance 'cka'"),
+        (dict(allocation="blockwise", block_importance="taylor"), "unknown block importance 'taylor'"),
+        (dict(allocation="knapsack"), "unknown allocation 'knapsack'"),
+        (dict(attn_mlp_split="3"), "attn_mlp_split must be 'x:y'"),
+        (dict(attn_mlp_split="-1:2"), "attn_mlp_split must be 'x:y'"),
+        (dict(attn_mlp_split=63), "quote it"),  # what YAML makes of an unquoted 1:3
+        (dict(allocation="depth", attn_mlp_split="1:1"), "applies to allocations global, layerwise"),
+        (dict(align_channels=0), "align_channels must be an integer >= 1"),
+        (dict(allocation="layerwise", rate_range=[0.5, 0.2]), "rate_range"),
+        (dict(allocation="layerwise", freeze_top_n=-1), "freeze_top_n"),
+        (dict(allocation="layerwise", alpha=-1.0), "alpha"),
+        (dict(allocation="layerwise", importance_scale="log"), "unknown importance_scale 'log'"),
+        (dict(attn_mlp_split="auto", split_fine_step=0.5), "split_fine_step"),
+    ],
+)
+def test_bad_options_fail_in_the_constructor(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PruningCallback(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "allocation, args, match",
+    [
+        ("layerwise", {"freeze_top_n": 4}, "freeze_top_n=4 but the model has 4 layers"),
+        ("layerwise", {"freeze_top_n": 3, "rate_range": [0.0, 0.5]}, "layer rates cannot meet the budget"),
+        ("global", {"attn_mlp_split": "9:1"}, "asks attention for"),
+    ],
+)
+def test_impossible_budgets_fail_before_calibration(setup, monkeypatch, allocation, args, match):
+    model, batches, _ = setup
+    import prunelight.pipeline as pipeline
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibration ran before the options were checked")
+
+    monkeypatch.setattr(pipeline, "run_calibration", no_calibration)
+    with pytest.raises(ValueError, match=match):
+        make_plan(model, batches, 0.3, allocation=allocation, allocation_args=args)
+
+
+@pytest.mark.parametrize("method, allocation", [("taylor", "global"), ("layerwise", "layerwise"),
+                                                ("blockwise", "blockwise"), ("depth", "depth")])
+def test_method_presets_parse(method, allocation, capsys, monkeypatch):
+    path = REPO / "configs" / "methods" / f"{method}.yaml"
+    monkeypatch.setattr("sys.argv", ["prunelight"])
+    with pytest.raises(SystemExit) as exc:  # run=False: no subcommand, the config is for `fit`
+        cli_main(["--config", str(path), "--print_config"], run=False)
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert f"allocation: {allocation}" in out and "criterion: taylor" in out
+
+
+def test_layerwise_on_reference_model(ref_model_dir):
+    """The real 8-layer model: measured block influence, inverse rates, budget met within one unit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
+    batches = [torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))]
+    plan, _ = make_plan(model, batches, 0.2, allocation="layerwise", allocation_args={"alpha": 2.0})
+    budget = make_budget(model, 0.2)
+    assert budget.target <= plan.meta["params_removed"] < budget.target + _max_unit(budget)
+    imp = plan.meta["layer_importance"]["block_influence"]
+    rates = plan.meta["layer_rates"]
+    assert rates[max(range(8), key=imp.__getitem__)] < rates[min(range(8), key=imp.__getitem__)]
+
+
+def test_quoted_split_reaches_the_callback(tmp_path, capsys, monkeypatch):
+    text = (REPO / "configs" / "methods" / "layerwise.yaml").read_text()
+    quoted = text.replace("strategy: inverse", 'strategy: inverse\n        attn_mlp_split: "1:3"')
+    (tmp_path / "c.yaml").write_text(quoted)
+    monkeypatch.setattr("sys.argv", ["prunelight"])
+    with pytest.raises(SystemExit):
+        cli_main(["--config", str(tmp_path / "c.yaml"), "--print_config"], run=False)
+    assert "attn_mlp_split: '1:3'" in capsys.readouterr().out
