@@ -205,8 +205,8 @@ class PruningCallback(L.Callback):
         report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
         if plan.meta.get("layer_importance"):
             report["layer_importance"] = plan.meta["layer_importance"]
-            if self.plot_layer_importance and trainer.is_global_zero:
-                self._plot(trainer, report)
+            if self.plot_layer_importance:
+                self._plot(trainer, report)  # every rank: trainer.log_dir is a collective (broadcast)
         removed = plan.meta["params_removed"]
         log.info(
             "pruned %s params (%.1f%% of the model) with %s/%s; ppl dense %s -> pruned %s",
@@ -218,7 +218,6 @@ class PruningCallback(L.Callback):
             ppl_pruned and round(ppl_pruned["ppl"], 2),
         )
 
-
     def _plot(self, trainer: L.Trainer, report: dict) -> None:
         """Per-layer importance PNG beside the report (the ExportCallback's out_dir, else the log dir)."""
         from prunelight.callbacks.export import ExportCallback
@@ -226,8 +225,9 @@ class PruningCallback(L.Callback):
 
         out = next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, ExportCallback)), None)
         out = out or trainer.log_dir or trainer.default_root_dir
-        path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
-        report["layer_importance_plot"] = str(path)
+        if trainer.is_global_zero:
+            path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
+            report["layer_importance_plot"] = str(path)
 
     def prune_for_fresh_engine(self, trainer: L.Trainer, pl_module) -> None:
         """DeepSpeed: score and plan inside the engine, write the cut model from rank 0, stop this fit.
