@@ -47,6 +47,17 @@ def _check_finite(criterion: Criterion, batch_idx: int) -> None:
                 )
 
 
+def keep_checkpointing_in_eval(model: nn.Module) -> None:
+    """Re-arm gradient checkpointing after `eval()`: transformers checkpoints a layer only in training mode.
+
+    Only the decoder-layer modules are flagged as training; their attention/MLP stay in eval mode,
+    so scoring keeps eval semantics while storing one layer's activations at a time.
+    """
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and isinstance(module, nn.Module):
+            module.training = True
+
+
 def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Criterion, max_batches: int | None) -> None:
     """Forward (and backward) every batch with only the criterion's own tensors requiring grad."""
     device = next(base.parameters()).device
@@ -62,6 +73,7 @@ def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Crit
     if criterion.needs_backward and not targets:  # activation-gradient criteria: grads must flow from the embeddings
         handles.append(base.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True)))
     base.eval()
+    keep_checkpointing_in_eval(base)
     try:
         for b, input_ids in enumerate(batches):
             if max_batches is not None and b >= max_batches:

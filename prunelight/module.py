@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from prunelight.adapters import get_adapter, unwrap
+from prunelight.distributed import hf_zero3_loading, trainable_keys
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.recovery import LoRASettings, add_lora, check_mode, merge_lora
@@ -56,6 +57,8 @@ class PruneLM(L.LightningModule):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.plan: PrunePlan | None = None
+        self.pretrained_is_pruned = False  # True when `pretrained` already holds the cut weights (DeepSpeed hand-off)
+        self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
         self.run_report: dict = {"times_s": {}}
         self.val_ppl = TokenPerplexity()
@@ -68,6 +71,7 @@ class PruneLM(L.LightningModule):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         t0 = time.perf_counter()
+        self._hf_ds_config = hf_zero3_loading(self._trainer)  # kept alive: transformers holds a weakref
         kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
@@ -83,6 +87,8 @@ class PruneLM(L.LightningModule):
             model.config.use_cache = False
         model.train()  # from_pretrained returns eval mode; recovery must train with dropout active
         self.model = model
+        if self.pretrained_is_pruned:
+            self.start_recovery()  # the cut already happened; the optimizer must see the recovery parameters
         self.run_report["times_s"]["load"] = time.perf_counter() - t0
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and hasattr(dm, "check_context"):
@@ -171,17 +177,41 @@ class PruneLM(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def adopt_pruned(self, plan: dict, run_report: dict) -> None:
+        """Mark `pretrained` as the already-cut model of `plan` (recovery continuing in a fresh engine)."""
+        if self.model is not None:
+            raise RuntimeError("adopt_pruned must be called before the model is loaded")
+        self.plan = PrunePlan.from_dict(plan)
+        self.pretrained_is_pruned = True
+        self.run_report = run_report
+
     # --- checkpoints ----------------------------------------------------------------------------
+    def _frozen_weights_reproducible(self) -> bool:
+        """True when the frozen base weights equal `pretrained` cut by the plan, so checkpoints may omit them."""
+        cut_before_training = self.pretrained_is_pruned or self.run_report.get("calibration", {}).get("prune_step") == 0
+        return self.lora_active and self.model_config is None and cut_before_training
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        weights = "all"
+        if self._frozen_weights_reproducible() and "state_dict" in checkpoint:
+            # LoRA recovery: the frozen base is `pretrained` + plan; store only what trains.
+            keep = {f"model.{k}" for k in trainable_keys(self.model)}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+            weights = "trainable"
         checkpoint[CKPT_KEY] = {
             "plan": self.plan.to_dict() if self.plan else None,
+            "pretrained_is_pruned": self.pretrained_is_pruned,
             "lora": self.lora.as_dict() if self.lora_active else None,
+            "weights": weights,
             "report": self.run_report,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Rebuild the pruned (and LoRA-wrapped) structure so the saved state dict fits.
         state = checkpoint.get(CKPT_KEY) or {}
+        if state.get("pretrained_is_pruned") and self.model is None:
+            self.plan = PrunePlan.from_dict(state["plan"])
+            self.pretrained_is_pruned = True
         self.configure_model()
         if state.get("plan") and self.plan is None:
             self.apply_plan(PrunePlan.from_dict(state["plan"]))
@@ -190,3 +220,7 @@ class PruneLM(L.LightningModule):
             self.recovery = "lora"
             self.start_recovery()
         self.run_report = state.get("report") or self.run_report
+        if state.get("weights") == "trainable" and "state_dict" in checkpoint:
+            # The omitted frozen weights are the ones just rebuilt from `pretrained` + plan.
+            own = self.state_dict()
+            checkpoint["state_dict"] = {**own, **checkpoint["state_dict"]}

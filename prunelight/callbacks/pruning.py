@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import lightning as L
-import torch
 
 from prunelight.allocation import check_allocation_options, count_params, precheck, validate_ratio
-from prunelight.importance import CRITERIA
+from prunelight.distributed import (
+    gathered_pruned_copy,
+    make_plan_sharded,
+    needs_fresh_engine,
+    strategy_sum,
+    write_pruned_model,
+    zero_stage,
+)
+from prunelight.importance import CRITERIA, build_criterion
 from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
 
@@ -104,6 +112,12 @@ class PruningCallback(L.Callback):
             self.prune_step, self.max_calibration_batches, self.max_eval_batches = 0, 1, 1
             self.importance_batches = 1
 
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        if not self.pruned and needs_fresh_engine(trainer.strategy):
+            self.prune_for_fresh_engine(trainer, pl_module)
+        elif getattr(pl_module, "pretrained_is_pruned", False) and pl_module.recovery == "none":
+            trainer.should_stop = True  # prune-only run continuing after the hand-off: straight to evaluation/export
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.pruned and trainer.global_step >= self.prune_step:
             self.prune(trainer, pl_module)
@@ -140,10 +154,6 @@ class PruningCallback(L.Callback):
 
         t0 = time.perf_counter()
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
-
-        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
-            return trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum")
-
         plan, scores = make_plan(
             base,
             batches,
@@ -152,7 +162,7 @@ class PruningCallback(L.Callback):
             criterion_args=self.criterion_args,
             allocation=self.allocation,
             allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
-            reduce_sum=reduce_sum,
+            reduce_sum=strategy_sum(trainer, pl_module.device),
             max_batches=self.max_calibration_batches,
             importance_batches=self.importance_batches,
         )
@@ -197,8 +207,8 @@ class PruningCallback(L.Callback):
         report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
         if plan.meta.get("layer_importance"):
             report["layer_importance"] = plan.meta["layer_importance"]
-            if self.plot_layer_importance and trainer.is_global_zero:
-                self._plot(trainer, report)
+            if self.plot_layer_importance:
+                self._plot(trainer, report)  # every rank: trainer.log_dir is a collective (broadcast)
         removed = plan.meta["params_removed"]
         log.info(
             "pruned %s params (%.1f%% of the model) with %s/%s; ppl dense %s -> pruned %s",
@@ -217,8 +227,79 @@ class PruningCallback(L.Callback):
 
         out = next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, ExportCallback)), None)
         out = out or trainer.log_dir or trainer.default_root_dir
-        path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
-        report["layer_importance_plot"] = str(path)
+        if trainer.is_global_zero:
+            path = plot_layer_importance(report["layer_importance"], f"{out}/layer_importance.png")
+            report["layer_importance_plot"] = str(path)
+
+    def prune_for_fresh_engine(self, trainer: L.Trainer, pl_module) -> None:
+        """DeepSpeed: score and plan inside the engine, write the cut model from rank 0, stop this fit.
+
+        The engine's modules are not reshaped: the pruned model is gathered one module at a time,
+        written to `<default_root_dir>/pruned`, and `PrunelightCLI` continues the recovery from it
+        in a freshly set-up engine (same command, same YAML).
+        """
+        if self.prune_step != 0:
+            raise ValueError(
+                f"prune_step={self.prune_step}: under DeepSpeed the cut happens before recovery; set prune_step: 0"
+            )
+        dm = trainer.datamodule
+        if dm.num_samples % trainer.world_size:
+            # ZeRO-3 gathers weights collectively in every forward: all ranks must run the same number of batches.
+            raise ValueError(
+                f"data.num_samples={dm.num_samples} must be a multiple of the number of processes "
+                f"({trainer.world_size}) under DeepSpeed"
+            )
+        report = pl_module.run_report
+        times = report.setdefault("times_s", {})
+        base = pl_module.base_model
+        if build_criterion(self.criterion, **self.criterion_args).grad_params(base):
+            # DeepSpeed reduces and frees weight gradients in its own hooks; scores must come from activations.
+            raise ValueError(f"criterion {self.criterion!r} reads weight gradients, which DeepSpeed partitions; "
+                             "use an activation-gradient criterion (taylor) or a weight-only one (magnitude)")
+        t0 = time.perf_counter()
+        ppl_dense = self._eval_ppl(trainer, pl_module)
+        times["eval_dense"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        # ZeRO-3 weights are partitioned: plan from gathered layers; ZeRO-1/2 keep them whole.
+        planner = make_plan_sharded if zero_stage(trainer.strategy) == 3 else make_plan
+        kwargs = {"importance_batches": self.importance_batches} if planner is make_plan else {}
+        plan, scores = planner(
+            base,
+            dm.calibration_batches(trainer.global_rank, trainer.world_size),
+            self.ratio,
+            criterion=self.criterion,
+            criterion_args=self.criterion_args,
+            allocation=self.allocation,
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
+            reduce_sum=strategy_sum(trainer, pl_module.device),
+            max_batches=self.max_calibration_batches,
+            **kwargs,
+        )
+        times["calibration_and_allocation"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pruned = gathered_pruned_copy(base, plan, keep=trainer.is_global_zero)
+        out = Path(trainer.default_root_dir) / "pruned"
+        if trainer.is_global_zero:
+            write_pruned_model(pruned, out, tokenizer=pl_module.load_tokenizer())
+        del pruned
+        trainer.strategy.barrier("prunelight_pruned_model_written")
+        times["surgery_and_write"] = time.perf_counter() - t0
+        self.pruned = True
+        report["params_before"] = plan.meta["params_total"]
+        report["params_after"] = plan.meta["params_total"] - plan.meta["params_removed"]
+        report["plan"] = plan.meta
+        report["calibration"] = {
+            "criterion": self.criterion, "allocation": self.allocation, "ratio": self.ratio,
+            "samples": plan.meta["samples"], "seq_len": getattr(dm, "seq_len", None),
+            "source": dm.calibration.describe(), "seed": getattr(dm, "seed", None), "prune_step": 0,
+        }
+        if ppl_dense is not None:
+            report.setdefault("ppl", {})["dense"] = ppl_dense["ppl"]
+            report.setdefault("ppl_detail", {})["dense"] = ppl_dense
+        report["unit_scores"] = {k: [t.tolist() for t in v] for k, v in scores.items()}
+        pl_module.handoff = {"pretrained": str(out), "plan": plan.to_dict()}
+        trainer.should_stop = True  # checked before the first epoch: no step and no checkpoint of the dense model
+        log.info("pruned model written to %s; recovery continues in a fresh %s", out, type(trainer.strategy).__name__)
 
 
 def _notify(trainer: L.Trainer, pl_module, hook: str) -> None:
@@ -234,7 +315,10 @@ def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
     strategy = trainer.strategy
     from lightning.pytorch.strategies import DDPStrategy
 
+    if needs_fresh_engine(strategy):  # pragma: no cover - prune_for_fresh_engine runs first
+        raise RuntimeError(f"{type(strategy).__name__} cannot be re-wrapped in place; the cut must restart the engine")
     if isinstance(strategy, DDPStrategy):
-        # DDP caches the parameter list; wrap the cut module afresh.
+        # DDP caches the parameter list (and its reducer hooks the old tensors); wrap the cut module afresh.
+        # The new wrapper broadcasts rank 0's parameters, so fresh LoRA weights agree across ranks.
         strategy.model = strategy._setup_model(strategy.precision_plugin.convert_module(pl_module))
     strategy.setup_optimizers(trainer)

@@ -1,0 +1,42 @@
+"""Scoring memory: gradient checkpointing stays on, no weight gradients, fp32 statistics from bf16 weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from prunelight.calibration import run_calibration
+from prunelight.importance import build_criterion
+from prunelight.testing import tiny_model
+
+
+def _batches():
+    return [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def test_checkpointed_scoring_recomputes_and_gives_the_same_statistics():
+    plain = tiny_model("llama")
+    ref = run_calibration(plain, _batches(), build_criterion("taylor"))
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mlp = ckpt.model.layers[0].mlp
+    calls, forward = [], mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    got = run_calibration(ckpt, _batches(), build_criterion("taylor"))
+    assert len(calls) == 2 * len(_batches()), "layer not recomputed in backward: checkpointing was off while scoring"
+    for kind in ref:
+        for a, b in zip(ref[kind], got[kind]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert not ckpt.training  # eval/train state restored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scoring_allocates_no_weight_gradients_and_fp32_statistics(dtype):
+    model = tiny_model("llama").to(dtype)
+    crit = build_criterion("taylor")
+    scores = run_calibration(model, _batches(), crit)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # the freeze is undone afterwards
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for v in scores.values() for t in v)
