@@ -11,6 +11,7 @@ import lightning as L
 from prunelight.adapters import get_adapter
 from prunelight.allocation import count_params
 from prunelight.data import overlap_fraction
+from prunelight.distributed import gathered_merged_copy, zero_stage
 from prunelight.evaluation.figures import write_figures
 from prunelight.evaluation.suite import EvaluationSettings, Evaluator, capture_hidden_states, hidden_similarity
 from prunelight.export import export_pretrained
@@ -81,14 +82,14 @@ class ExportCallback(L.Callback):
                             f"{role} text {other.describe()} overlaps the perplexity set {name!r} ({src.describe()}): "
                             f"{n} shared lines ({100 * frac:.1f}%). Use a different split, or set data.allow_overlap=true")
 
-    def _run_suite(self, trainer, pl_module, name: str, folder=None) -> None:
+    def _run_suite(self, trainer, pl_module, name: str, folder=None, barrier: bool = True) -> None:
         ev = self._suite(trainer, pl_module)
         if ev is not None:
             t0 = time.perf_counter()
             res = ev.evaluate(pl_module.model, name, folder)
             pl_module.run_report.setdefault("evaluation", {})[name] = res
             pl_module.run_report.setdefault("times_s", {})[f"evaluation_{name}"] = time.perf_counter() - t0
-        if self.evaluation is not None and trainer.world_size > 1:
+        if barrier and self.evaluation is not None and trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-evaluation")  # other ranks wait while rank 0 evaluates
 
     def _similarity_batches(self, trainer):
@@ -116,11 +117,25 @@ class ExportCallback(L.Callback):
 
     # --- end of training ------------------------------------------------------------------------
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        pl_module.merge_adapters()
+        if zero_stage(trainer.strategy) == 3:
+            # merging in place would write into partitioned placeholders: gather a merged CPU copy on rank 0
+            lora = pl_module.lora if pl_module.lora_active else None
+            merged = gathered_merged_copy(pl_module.model, lora, keep=trainer.is_global_zero)
+            pl_module.lora_active = False
+            if merged is not None:
+                pl_module.model = merged
+        else:
+            pl_module.merge_adapters()
         report = pl_module.run_report
         times = report.setdefault("times_s", {})
         dm = trainer.datamodule
-        if self.evaluate and dm is not None and pl_module.plan is not None:
+        sharded = zero_stage(trainer.strategy) == 3
+        if sharded and (self.evaluate or self.evaluation is not None):
+            # the merged copy lives on rank 0's CPU (a 70B model fits no single GPU): evaluate the export instead
+            log.warning("ZeRO-3: no in-run evaluation of the recovered model; run `prunelight evaluate` on %s",
+                        self.out_dir / "model")
+            report.setdefault("notes", []).append("ZeRO-3 run: recovered model not evaluated in-run")
+        if self.evaluate and dm is not None and pl_module.plan is not None and not sharded:
             t0 = time.perf_counter()
             res = evaluate_perplexity(pl_module.model, dm.eval_dataloader(), self.max_eval_batches)
             times["eval_recovered"] = time.perf_counter() - t0
@@ -147,12 +162,16 @@ class ExportCallback(L.Callback):
                 export_pretrained(pl_module.model, self.out_dir / "model", tokenizer=tok)
                 times["export"] = time.perf_counter() - t0
                 report["export_dir"] = str(self.out_dir / "model")
-            if pl_module.plan is not None:
-                self._run_suite(trainer, pl_module, "recovered", folder=report.get("export_dir"))
+            if sharded:
+                pass
+            elif pl_module.plan is not None:
+                self._run_suite(trainer, pl_module, "recovered", folder=report.get("export_dir"), barrier=False)
                 self._record_similarity(trainer, pl_module, "recovered")
             elif "dense" not in report.get("evaluation", {}):  # nothing was cut: the model is still dense
-                self._run_suite(trainer, pl_module, "dense", folder=report.get("export_dir"))
+                self._run_suite(trainer, pl_module, "dense", folder=report.get("export_dir"), barrier=False)
             if self.figures:
                 report["figures"] = write_figures(report, pl_module.plan, self.out_dir)
             write_report(report, self.out_dir)
             log.info("wrote %s", self.out_dir / "report.json")
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("prunelight-export")  # no rank leaves fit before the export is on disk
