@@ -57,6 +57,11 @@ def _job(tmp: Path) -> Path:
                 {"class_path": "prunelight.callbacks.PruningCallback",
                  "init_args": {"ratio": RATIO, "evaluate": False}},
                 {"class_path": "dist_probe.RankProbe", "init_args": {"out_dir": str(tmp)}},
+                # evaluation runs on rank 0 only while rank 1 waits at a barrier: this must not hang
+                {"class_path": "prunelight.callbacks.ExportCallback",
+                 "init_args": {"out_dir": str(tmp / "run"), "figures": False, "evaluation": {
+                     "ppl_datasets": {"test": {"path": str(text["test"])}}, "seq_lens": [16],
+                     "max_windows": 4, "zeroshot": False, "efficiency": False, "similarity_batches": 1}}},
             ],
         },
     }
@@ -145,3 +150,30 @@ def test_recovery_stays_in_sync_after_rewrap(ddp_run):
     assert any(a[k].abs().sum() > 0 for k in lora_b), "LoRA did not train: the sync check would be vacuous"
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_rank_zero_evaluates_and_exports_once(ddp_run):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    tmp, results = ddp_run
+    report = json.loads((tmp / "run" / "report.json").read_text())
+    assert set(report["evaluation"]) >= {"dense", "pruned", "recovered"}
+    assert report["params_after"] < report["params_before"]
+    exported = AutoModelForCausalLM.from_pretrained(tmp / "run" / "model").state_dict()
+    # The export is rank 0's trained model with LoRA merged by hand: W + (alpha / r) * B @ A.
+    final = {k.removeprefix("base_model.model."): v for k, v in results[0]["final"].items()}
+    lora = report["recovery"]["lora"]
+    scale = lora["alpha"] / lora["r"]
+    merged = 0
+    for name, value in exported.items():
+        stem = name.removesuffix(".weight")
+        if f"{stem}.lora_A.default.weight" in final:
+            expect = final[f"{stem}.base_layer.weight"] + scale * (
+                final[f"{stem}.lora_B.default.weight"] @ final[f"{stem}.lora_A.default.weight"])
+            merged += 1
+        else:
+            expect = final[name.replace(".weight", ".base_layer.weight")] if name not in final else final[name]
+        torch.testing.assert_close(value, expect, rtol=1e-5, atol=1e-6)
+    assert merged > 0

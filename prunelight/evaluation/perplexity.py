@@ -43,7 +43,7 @@ def evaluate_perplexity(model: nn.Module, batches: Iterable, max_batches: int | 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    metric = TokenPerplexity().to(device)
+    metric = TokenPerplexity(sync_on_compute=False).to(device)  # one process evaluates alone: no collective
     try:
         for b, batch in enumerate(batches):
             if max_batches is not None and b >= max_batches:
