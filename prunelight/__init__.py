@@ -6,7 +6,7 @@ if _env.running_as_cli():
     # Must happen before transformers/datasets are imported: they read the offline flags at import.
     _env.offline_if_local()
 
-from prunelight.modeling import register_auto_classes  # noqa: E402
+from prunelight.modeling import register_auto_classes
 
 __version__ = "0.1.0"
 

@@ -11,21 +11,31 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` so readers see either the old file or the whole new one."""
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
+    """Yield a file object on a temporary name beside `path`; on success it is fsynced and renamed over `path`.
+
+    Readers see either the old file or the whole new one; on error the temporary file is removed.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` so readers see either the old file or the whole new one."""
+    with atomic_file(path) as f:
+        f.write(text)
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, data) -> Path:

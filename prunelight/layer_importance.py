@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from prunelight.adapters import get_adapter, unwrap
-from prunelight.perplexity import evaluate_perplexity
+from prunelight.evaluation.perplexity import evaluate_perplexity
 
 LAYER_IMPORTANCE = ("removal", "activation_change", "block_influence")
 
@@ -159,39 +156,3 @@ def subblock_removal(
         vals = iter(_removal(base, batches, present, "residual"))
         out[kind] = [None if m is None else next(vals) for m in mods]
     return out
-
-
-def plot_layer_importance(
-    values: dict[str, Sequence[float]], path: str | Path, title: str = "Layer importance"
-) -> Path:
-    """A per-layer bar chart (one panel per measure) written atomically as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [k for k, v in values.items() if v]
-    if not names:
-        raise ValueError("nothing to plot: no layer importance values")
-    fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names)), squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
-        vals = [float(v) for v in values[name]]
-        ax.bar(range(len(vals)), vals, color="tab:blue")
-        ax.set_ylabel(name)
-        ax.set_xticks(range(len(vals)))
-    axes[-1, 0].set_xlabel("decoder layer")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
-    return path

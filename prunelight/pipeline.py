@@ -15,9 +15,9 @@ from prunelight.adapters import unwrap
 from prunelight.allocation import allocate, check_allocation_options, precheck
 from prunelight.allocation.split_search import masked, parse_split, search_split
 from prunelight.calibration import run_calibration
+from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.importance import UnitScores, build_criterion
 from prunelight.layer_importance import layer_importances, subblock_removal
-from prunelight.perplexity import evaluate_perplexity
 from prunelight.plan import PrunePlan
 
 # Options make_plan handles itself; the rest of allocation_args go to `allocate`.

@@ -56,7 +56,7 @@ class PrunePlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PrunePlan":
+    def from_dict(cls, data: dict) -> PrunePlan:
         """Inverse of `to_dict`."""
         return cls(
             layers=[LayerPlan(list(d["keep_groups"]), list(d["keep_channels"])) for d in data["layers"]],

@@ -125,12 +125,19 @@ def render_markdown(report: dict) -> str:
             f"model, {100 * plan.get('removed_fraction_decoder', 0):.2f}% of the decoder layers "
             f"(target {_fmt(plan.get('params_target_removed'))}; off by {_fmt(plan.get('budget_error_params'))}).",
         ]
+    # Layer importance is measured on the dense layers; after depth pruning the kept layers are fewer.
+    imp = {k: v for k, v in (report.get("layer_importance") or {}).items()
+           if isinstance(v, list) and len(v) == len(report.get("layers", []))}
     if report.get("layers"):
-        lines += ["", "| layer | attention heads | KV heads | MLP channels |", "|---:|---:|---:|---:|"]
+        lines += ["", "| layer | attention heads | KV heads | MLP channels |" + "".join(f" {k} |" for k in imp),
+                  "|---:|---:|---:|---:|" + "---:|" * len(imp)]
     for i, layer in enumerate(report.get("layers", [])):
         lines.append(
             f"| {i} | {layer['num_attention_heads']} | {layer['num_key_value_heads']} | {layer['intermediate_size']} |"
+            + "".join(f" {_fmt(v[i], 4)} |" for v in imp.values())
         )
+    for note in report.get("notes", []):
+        lines += ["", f"Note: {note}"]
     lines += _evaluation_sections(report.get("evaluation") or {})
     figs = report.get("figures") or {}
     if figs:

@@ -40,11 +40,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
+
 # Options passed to `allocate` per allocation method; methods not listed get none. Extend here. A value
 # may also be a callable (model, calibration_batches) -> dict, for allocations that need data.
+def _layer_scores(measure: str) -> Callable[..., dict]:
+    """Layer importance of the dense model on the first 4 calibration batches (as the method presets do)."""
+
+    def opts(model, calib) -> dict:
+        from prunelight.layer_importance import layer_importances
+
+        return {"layer_scores": layer_importances(model, calib[:4], [measure])[measure]}
+
+    return opts
+
+
+# Options per allocation, as in configs/methods/*.yaml; blockwise ranks sub-blocks by the criterion's own
+# unit scores (block_importance: units) so the table compares criteria, not the removal measure.
 ALLOCATION_ARGS: dict[str, dict | Callable[..., dict]] = {
     "global": {},
     "uniform": {},
+    "layerwise": lambda model, calib: {**_layer_scores("removal")(model, calib), "strategy": "inverse", "alpha": 1.0,
+                                       "importance_scale": "rank", "freeze_top_n": 1, "rate_range": (0.0, 0.8)},
+    "blockwise": {"fill_width": True},
+    "depth": lambda model, calib: {**_layer_scores("block_influence")(model, calib), "fill_width": True},
 }
 
 
@@ -120,8 +138,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
     from prunelight.allocation import allocate
     from prunelight.calibration import run_calibration
+    from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
-    from prunelight.perplexity import evaluate_perplexity
     from prunelight.surgery import apply_plan
 
     device = torch.device(args.device)

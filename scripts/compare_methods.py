@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from prunelight.allocation import count_params
 from prunelight.data import PruneDataModule, TextSource
-from prunelight.perplexity import evaluate_perplexity
+from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
 from prunelight.surgery import apply_plan
 from prunelight.testing import shared_dir

@@ -144,7 +144,7 @@ def per_gpu(c: dict[str, float], gpus: int) -> list[tuple[str, float, float, flo
 def render(a: Arch, seq: int, batch: int, ratio: float, r: int, gpus: int) -> str:
     """Markdown: the components of one model, then per-GPU totals."""
     c = components(a, seq, batch, ratio, r)
-    g = lambda x: f"{x / GIB:,.1f}"  # noqa: E731
+    g = lambda x: f"{x / GIB:,.1f}"
     lines = [
         f"### {a.name}: {c['params_dense'] / 1e9:.2f}B parameters, {c['params_pruned'] / 1e9:.2f}B after "
         f"removing {ratio:.0%} of all parameters; {batch} x {seq} tokens per step, LoRA r={r}",

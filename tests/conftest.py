@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from prunelight.testing import FAMILIES, shared_dir, tiny_model  # noqa: E402
+from prunelight.testing import FAMILIES, shared_dir, tiny_model
 
 
 @pytest.fixture(params=FAMILIES)

@@ -12,8 +12,8 @@ from prunelight.allocation import allocate, count_params
 from prunelight.allocation.budget import make_budget
 from prunelight.allocation.layerwise import layer_rates
 from prunelight.allocation.split_search import parse_split, search_split
-from prunelight.callbacks import PruningCallback
 from prunelight.calibration import run_calibration
+from prunelight.callbacks import PruningCallback
 from prunelight.cli import cli_main
 from prunelight.importance import build_criterion
 from prunelight.pipeline import make_plan
@@ -171,7 +171,7 @@ def test_search_finds_a_minimum_off_the_grid():
 
 def test_auto_split_in_make_plan(setup, monkeypatch):
     model, batches, _ = setup
-    import prunelight.pipeline as pipeline
+    from prunelight import pipeline
 
     seen = []
     real = pipeline.calibration_nll
@@ -224,7 +224,7 @@ def test_bad_options_fail_in_the_constructor(kwargs, match):
 )
 def test_impossible_budgets_fail_before_calibration(setup, monkeypatch, allocation, args, match):
     model, batches, _ = setup
-    import prunelight.pipeline as pipeline
+    from prunelight import pipeline
 
     def no_calibration(*a, **k):
         raise AssertionError("calibration ran before the options were checked")

@@ -199,7 +199,7 @@ def _job(tmp: Path, max_steps: int, callbacks_extra: list | None = None, checkpo
 @pytest.mark.parametrize("recovery", ["lora", "none"])
 def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch, recovery):
     """Score -> plan -> gather+cut -> write from rank 0 -> stop -> recover in a new Trainer, one command."""
-    import prunelight.callbacks.pruning as pruning
+    from prunelight.callbacks import pruning
     from prunelight.cli import cli_main
 
     monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from prunelight.layer_importance import layer_importance, layer_importances, plot_layer_importance, subblock_removal
-from prunelight.perplexity import evaluate_perplexity
+from prunelight.evaluation.figures import plot_layer_importance
+from prunelight.evaluation.perplexity import evaluate_perplexity
+from prunelight.layer_importance import layer_importance, layer_importances, subblock_removal
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.surgery import apply_plan
 from prunelight.testing import tiny_model

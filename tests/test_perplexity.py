@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from prunelight.data import TextSource, pack_blocks, tokenize_source
-from prunelight.evaluation.perplexity import PerplexityData, evaluate_perplexity, evaluate_perplexity_suite, resolve_sets
+from prunelight.evaluation.perplexity import (
+    PerplexityData,
+    evaluate_perplexity,
+    evaluate_perplexity_suite,
+    resolve_sets,
+)
 from prunelight.testing import tiny_model, tiny_tokenizer, write_tiny_corpus
 
 

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prunelight.adapters import get_adapter
 from prunelight.data import TextSource, pack_blocks, sample_windows, tokenize_source
+from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.export import export_pretrained
-from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
 from prunelight.surgery import apply_plan, mask_units
 

@@ -116,3 +116,14 @@ def test_kept_removed_split_and_figures_without_a_run(tmp_path):
     assert set(figs) == {"kept_units", "importance_distribution", "layer_importance"}
     assert all((tmp_path / f).read_bytes()[:8] == PNG for f in figs.values())
     assert "# prunelight report" in render_markdown({"model": "m", "figures": figs})
+
+
+def test_markdown_lists_layer_importance_beside_layer_shapes_and_notes():
+    layers = [{"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 64},
+              {"num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 32}]
+    md = render_markdown({"model": "m", "layers": layers, "notes": ["look here"],
+                          "layer_importance": {"block_influence": [0.125, 0.5], "removal": [1.0]}})
+    assert "| layer | attention heads | KV heads | MLP channels | block_influence |" in md
+    assert "| 1 | 4 | 1 | 32 | 0.5000 |" in md
+    assert "removal" not in md  # a measure that does not match the layer count (depth-pruned) is left out
+    assert "Note: look here" in md

@@ -13,9 +13,9 @@ from prunelight.allocation import count_params
 from prunelight.data import overlap_fraction
 from prunelight.distributed import gathered_merged_copy, zero_stage
 from prunelight.evaluation.figures import write_figures
+from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.evaluation.suite import EvaluationSettings, Evaluator, capture_hidden_states, hidden_similarity
 from prunelight.export import export_pretrained
-from prunelight.perplexity import evaluate_perplexity
 from prunelight.report import write_report
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class ExportCallback(L.Callback):
         sharded = zero_stage(trainer.strategy) == 3
         if sharded and (self.evaluate or self.evaluation is not None):
             # the merged copy lives on rank 0's CPU (a 70B model fits no single GPU): evaluate the export instead
-            log.warning("ZeRO-3: no in-run evaluation of the recovered model; run `prunelight evaluate` on %s",
-                        self.out_dir / "model")
+            log.warning("ZeRO-3: no in-run evaluation of the recovered model; run `prunelight evaluate --run %s`",
+                        self.out_dir)
             report.setdefault("notes", []).append("ZeRO-3 run: recovered model not evaluated in-run")
         if self.evaluate and dm is not None and pl_module.plan is not None and not sharded:
             t0 = time.perf_counter()

@@ -17,8 +17,8 @@ from prunelight.distributed import (
     write_pruned_model,
     zero_stage,
 )
+from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.importance import CRITERIA, build_criterion
-from prunelight.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
 
 log = logging.getLogger(__name__)
@@ -154,18 +154,7 @@ class PruningCallback(L.Callback):
 
         t0 = time.perf_counter()
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
-        plan, scores = make_plan(
-            base,
-            batches,
-            self.ratio,
-            criterion=self.criterion,
-            criterion_args=self.criterion_args,
-            allocation=self.allocation,
-            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
-            reduce_sum=strategy_sum(trainer, pl_module.device),
-            max_batches=self.max_calibration_batches,
-            importance_batches=self.importance_batches,
-        )
+        plan, scores = self._plan(make_plan, trainer, pl_module, base, batches, importance_batches=self.importance_batches)
         times["calibration_and_allocation"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -220,10 +209,25 @@ class PruningCallback(L.Callback):
             ppl_pruned and round(ppl_pruned["ppl"], 2),
         )
 
+    def _plan(self, planner, trainer: L.Trainer, pl_module, base, batches, **extra):
+        """Score and allocate with this callback's settings; statistics are summed across ranks."""
+        return planner(
+            base,
+            batches,
+            self.ratio,
+            criterion=self.criterion,
+            criterion_args=self.criterion_args,
+            allocation=self.allocation,
+            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
+            reduce_sum=strategy_sum(trainer, pl_module.device),
+            max_batches=self.max_calibration_batches,
+            **extra,
+        )
+
     def _plot(self, trainer: L.Trainer, report: dict) -> None:
         """Per-layer importance PNG beside the report (the ExportCallback's out_dir, else the log dir)."""
         from prunelight.callbacks.export import ExportCallback
-        from prunelight.layer_importance import plot_layer_importance
+        from prunelight.evaluation.figures import plot_layer_importance
 
         out = next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, ExportCallback)), None)
         out = out or trainer.log_dir or trainer.default_root_dir
@@ -263,18 +267,8 @@ class PruningCallback(L.Callback):
         # ZeRO-3 weights are partitioned: plan from gathered layers; ZeRO-1/2 keep them whole.
         planner = make_plan_sharded if zero_stage(trainer.strategy) == 3 else make_plan
         kwargs = {"importance_batches": self.importance_batches} if planner is make_plan else {}
-        plan, scores = planner(
-            base,
-            dm.calibration_batches(trainer.global_rank, trainer.world_size),
-            self.ratio,
-            criterion=self.criterion,
-            criterion_args=self.criterion_args,
-            allocation=self.allocation,
-            allocation_args={"min_groups": self.min_groups, "min_channels": self.min_channels, **self.allocation_args},
-            reduce_sum=strategy_sum(trainer, pl_module.device),
-            max_batches=self.max_calibration_batches,
-            **kwargs,
-        )
+        batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
+        plan, scores = self._plan(planner, trainer, pl_module, base, batches, **kwargs)
         times["calibration_and_allocation"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pruned = gathered_pruned_copy(base, plan, keep=trainer.is_global_zero)

@@ -73,7 +73,7 @@ class PeakMemory:
         self.peak: int | None = None
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "process_peak_rss"
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-import torch
-
+from prunelight.io import atomic_file
 from prunelight.plan import PrunePlan
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    """Render with the Agg canvas (no GUI backend, no pyplot state) to a temp file, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Render with the Agg canvas (no GUI backend, no pyplot state), written atomically."""
     FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
     return path
 
 
@@ -45,16 +36,21 @@ def plot_kept_units(plan: PrunePlan, path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
-def plot_layer_importance(layer_importance: dict[str, list[float]], path: str | Path) -> Path:
-    """One line per importance measure over layers."""
-    fig = Figure(figsize=(6, 3.4))
-    ax = fig.add_subplot(1, 1, 1)
-    for name, values in layer_importance.items():
-        ax.plot(range(len(values)), values, marker="o", label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("importance")
-    ax.set_title("layer importance")
-    ax.legend(fontsize=8)
+def plot_layer_importance(layer_importance: dict[str, list[float]], path: str | Path,
+                          title: str = "Layer importance") -> Path:
+    """Per-layer bars, one panel per measure (their scales differ: perplexity increase vs 1 - cosine)."""
+    names = [k for k, v in layer_importance.items() if v]
+    if not names:
+        raise ValueError("nothing to plot: no layer importance values")
+    fig = Figure(figsize=(7, 2.4 * len(names)))
+    for i, name in enumerate(names):
+        ax = fig.add_subplot(len(names), 1, i + 1)
+        vals = [float(v) for v in layer_importance[name]]
+        ax.bar(range(len(vals)), vals, color="tab:blue")
+        ax.set_ylabel(name)
+        ax.set_xticks(range(len(vals)))
+    ax.set_xlabel("decoder layer")
+    fig.suptitle(title)
     return _save(fig, Path(path))
 
 
@@ -78,7 +74,7 @@ def plot_importance_distribution(unit_scores: dict, plan: PrunePlan, path: str |
     for k, (kind, (kept, removed)) in enumerate(split.items()):
         ax = fig.add_subplot(1, 2, k + 1)
         floor = min([s for s in kept + removed if s > 0] or [1e-12])
-        to_log = lambda xs: torch.tensor(xs or [floor]).clamp(min=floor).log10().tolist()  # noqa: E731
+        to_log = lambda xs: torch.tensor(xs or [floor]).clamp(min=floor).log10().tolist()
         bins = 40
         ax.hist(to_log(kept), bins=bins, alpha=0.6, color="#3b75af", label=f"kept ({len(kept)})")
         if removed:

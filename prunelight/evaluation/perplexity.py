@@ -72,7 +72,7 @@ class PerplexityData:
 
     @classmethod
     def build(cls, tokenizer, sets: Mapping[str, TextSource], seq_lens: list[int],
-              max_windows: int | None = None) -> "PerplexityData":
+              max_windows: int | None = None) -> PerplexityData:
         """Tokenize every set (documents joined by newlines, as in the usual WikiText protocol)."""
         if not sets:
             raise ValueError("perplexity needs at least one dataset")

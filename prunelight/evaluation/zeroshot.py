@@ -111,7 +111,7 @@ def evaluate_zeroshot(
     tokenizer,
     tasks: list[str] | tuple[str, ...] = TASKS,
     data_dir: str | Path | None = None,
-    limit: int | float | None = None,
+    limit: float | None = None,
     batch_size: int = 32,
     log_samples: bool = False,
     max_length: int | None = None,
