@@ -1,6 +1,8 @@
 """`python -m prunelight ...` (and `torchrun -m prunelight ...`)."""
 
-from prunelight.cli import cli_main
+import sys
+
+from prunelight.cli import main
 
 if __name__ == "__main__":
-    cli_main()
+    sys.exit(main())

@@ -57,3 +57,21 @@ def running_as_cli() -> bool:
     """True for the `prunelight` console script and `python -m prunelight` (also under torchrun)."""
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     return prog == "prunelight" or sys.argv[0].endswith(os.path.join("prunelight", "__main__.py"))
+
+
+def deepspeed_logs_to_stderr() -> None:
+    """Import DeepSpeed (when installed) with stdout pointed at stderr.
+
+    DeepSpeed's logger binds a handler to sys.stdout at import and warns there at once ("Setting
+    accelerator to CPU"), which corrupts `--print_config > run.yaml`; bound to stderr it stays out of it.
+    """
+    import contextlib
+    import importlib.util
+
+    if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:
+        return
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+    except Exception:  # a broken DeepSpeed install is reported by Lightning if the run asks for it
+        pass

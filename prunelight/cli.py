@@ -69,6 +69,7 @@ def cli_main(args: list[str] | None = None, run: bool = True):
 
         return evaluate_main(argv[1:])
     _env.offline_if_local(argv)
+    _env.deepspeed_logs_to_stderr()
     return PrunelightCLI(
         PruneLM,
         PruneDataModule,
@@ -79,5 +80,11 @@ def cli_main(args: list[str] | None = None, run: bool = True):
     )
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """Console-script entry: run the command and return 0 (the CLI object is not an exit status)."""
     cli_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

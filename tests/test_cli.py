@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,32 @@ def test_seq_len_beyond_context_is_refused(tmp_path, monkeypatch):
             f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
             f"--data.train.path={files['train']}", "--trainer.fast_dev_run=true", "--trainer.logger=false",
         ])
+
+
+def _console_script() -> Path:
+    script = Path(sys.executable).parent / "prunelight"
+    if not script.exists():
+        pytest.skip(f"the `prunelight` console script is not installed beside {sys.executable} (pip install -e .)")
+    return script
+
+
+def test_console_script_exits_zero_after_a_run_and_nonzero_on_bad_input(tmp_path):
+    """`prunelight fit ... && next-step` must work: success is exit status 0, a refused input is not."""
+    script = _console_script()
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    files = write_tiny_corpus(tmp_path / "data")
+    args = [
+        str(script), "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
+        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
+        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
+        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
+        "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.callbacks.out_dir={tmp_path / 'run'}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "run" / "report.json").exists()
+    bad = subprocess.run(args + ["--trainer.callbacks.ratio=1.5"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode != 0 and "ratio" in bad.stderr
