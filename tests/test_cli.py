@@ -48,18 +48,30 @@ def test_callback_presets_compose(capsys):
     assert printed["model"]["recovery"] == "lora", "lora.yaml comes after full.yaml, so its value wins"
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "PruningCallback" in c.read_text()],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_pruning_options_can_be_set_on_the_command_line(config, capsys):
+    """`--trainer.callbacks.X` sets X on the last callback, so every shipped config lists PruningCallback last."""
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(config), "--trainer.callbacks.ratio=0.35",
+                  "--trainer.callbacks.criterion=wanda", "--print_config"])
+    callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    pruning = [c for c in callbacks if c["class_path"].endswith("PruningCallback")]
+    assert len(pruning) == 1 and callbacks[-1] is pruning[0]
+    assert pruning[0]["init_args"]["ratio"] == 0.35 and pruning[0]["init_args"]["criterion"] == "wanda"
+
+
 def test_fast_dev_run_smoke_cuts_the_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
     files = write_tiny_corpus(tmp_path / "data")
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "reference"  # reference.yaml's out_dir, relative to the working directory
     cli = cli_main([
         "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
         f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
         f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
         f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
         "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-        f"--trainer.callbacks.out_dir={out}",
     ])
     module = cli.model
     assert module.plan is not None, "surgery must run under fast_dev_run"
@@ -99,12 +111,11 @@ def test_console_script_exits_zero_after_a_run_and_nonzero_on_bad_input(tmp_path
         f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
         f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
         "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-        f"--trainer.callbacks.out_dir={tmp_path / 'run'}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ok = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert (tmp_path / "run" / "report.json").exists()
+    assert (tmp_path / "runs" / "reference" / "report.json").exists()
     bad = subprocess.run(args + ["--trainer.callbacks.ratio=1.5"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
-    assert bad.returncode != 0 and "ratio" in bad.stderr
+    assert bad.returncode != 0 and "prune ratio must be a fraction of parameters in (0, 1), got 1.5" in bad.stderr

@@ -134,7 +134,8 @@ def test_depth_preset_runs_end_to_end(tmp_path, monkeypatch):
                        calibration_batch_size=4, eval_batch_size=8, max_eval_blocks=8)
     cfg["trainer"].update(max_steps=2, val_check_interval=None, limit_val_batches=0, log_every_n_steps=1,
                           logger=False, default_root_dir=str(tmp_path / "run"))
-    pruning, export = cfg["trainer"]["callbacks"]
+    by_name = {cb["class_path"].rsplit(".", 1)[-1]: cb for cb in cfg["trainer"]["callbacks"]}
+    pruning, export = by_name["PruningCallback"], by_name["ExportCallback"]
     pruning["init_args"].update(ratio=0.3)
     export["init_args"]["out_dir"] = str(tmp_path / "out")
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
