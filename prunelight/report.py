@@ -20,6 +20,10 @@ def _fmt(x, nd: int = 2) -> str:
 MODELS = ("dense", "pruned", "recovered")
 
 
+def _mb(n: int | None) -> float | None:
+    return None if n is None else n / 1e6
+
+
 def overlap_warning(report: dict) -> str | None:
     """A loud one-line warning when calibration/training text overlaps the evaluation text."""
     ov = report.get("overlap") or {}
@@ -72,7 +76,8 @@ def _evaluation_sections(ev: dict) -> list[str]:
         lines += ["", "## Efficiency", "",
                   f"Measured the same way for every model: batch {sp['batch_size']}, prompt {sp['prompt_len']} tokens, "
                   f"{sp['new_tokens']} decoded tokens, median of {sp['repeats']}, {sp['device']}, {sp['dtype']}, "
-                  f"{sp['threads']} threads. Peak memory: {sp['peak_memory_kind']}.", "",
+                  f"{sp['threads']} threads. Peak memory: {sp['peak_memory_kind']} (freed heap returned to the OS "
+                  f"first); the rise is the peak minus the memory in use when generation started.", "",
                   "| | " + " | ".join(eff) + " |", "|---|" + "---:|" * len(eff)]
         rows = [("parameters", lambda e: e["params"]["total"]),
                 ("attention params", lambda e: e["params"]["attention"]),
@@ -81,7 +86,8 @@ def _evaluation_sections(ev: dict) -> list[str]:
                 ("weights in memory (MB)", lambda e: e["weight_bytes"] / 1e6),
                 ("size on disk (MB)", lambda e: None if e.get("disk_bytes") is None else e["disk_bytes"] / 1e6),
                 ("KV cache (MB)", lambda e: e["speed"]["kv_cache_bytes"] / 1e6),
-                ("peak memory (MB)", lambda e: None if e["speed"]["peak_memory_bytes"] is None else e["speed"]["peak_memory_bytes"] / 1e6),
+                ("peak memory (MB)", lambda e: _mb(e["speed"].get("peak_memory_bytes"))),
+                ("peak rise while generating (MB)", lambda e: _mb(e["speed"].get("peak_memory_rise_bytes"))),
                 ("prefill tokens/s", lambda e: e["speed"]["prefill_tokens_per_s"]),
                 ("decode tokens/s", lambda e: e["speed"]["decode_tokens_per_s"]),
                 ("decode latency (ms/token)", lambda e: e["speed"]["decode_latency_ms_per_token"])]
@@ -92,6 +98,17 @@ def _evaluation_sections(ev: dict) -> list[str]:
         lines += ["", "## Hidden-state similarity to dense (mean cosine, last hidden state)", ""]
         lines += [f"- {m}: {_fmt(v[-1], 4)} (lowest {_fmt(min(v), 4)} at hidden state {v.index(min(v))})" for m, v in sim.items()]
     return lines
+
+
+STATES = ("dense", "pruned", "recovered")
+
+
+def _suite_headline(ev: dict) -> tuple[dict, dict] | None:
+    """Perplexity per model state from the evaluation suite's first record, and that record."""
+    first = {m: ev[m]["perplexity"][0] for m in STATES if (ev.get(m) or {}).get("perplexity")}
+    if not first:
+        return None
+    return {m: r["ppl"] for m, r in first.items()}, next(iter(first.values()))
 
 
 def render_markdown(report: dict) -> str:
@@ -107,10 +124,18 @@ def render_markdown(report: dict) -> str:
         f"Model: `{report.get('model', 'n/a')}`  ",
         *([f"Criterion: `{cal.get('criterion')}`, allocation: `{cal.get('allocation')}`, target ratio: {cal.get('ratio')}  "] if cal else []),
     ]
+    eval_line = (f"Evaluation: `{report.get('eval', {}).get('source')}`, "
+                 f"{report.get('eval', {}).get('seq_len')} tokens per window")
+    suite = _suite_headline(report.get("evaluation") or {})
+    if suite and not any(ppl.get(m) is not None for m in STATES):
+        # The callbacks' own perplexity was off because the evaluation suite measures it: show its first set.
+        ppl, rec = suite
+        eval_line = (f"Evaluation: {rec['dataset']} `{rec.get('source') or rec.get('split')}`, {rec['seq_len']} tokens "
+                     f"per window ({_fmt(rec['tokens'])} tokens; the first perplexity set of the evaluation below)")
     if plan or ppl:
         lines += [
             f"Calibration: {cal.get('samples')} samples x {cal.get('seq_len')} tokens from `{cal.get('source')}` (seed {cal.get('seed')})  ",
-            f"Evaluation: `{report.get('eval', {}).get('source')}`, {report.get('eval', {}).get('seq_len')} tokens per window",
+            eval_line,
             "",
             "| | params | perplexity |",
             "|---|---:|---:|",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from prunelight.allocation import count_params
@@ -62,3 +64,19 @@ def test_efficiency_report_has_everything(tmp_path):
     assert rep["params"]["total"] == count_params(model)
     assert rep["disk_bytes"] == folder_bytes(tmp_path) and rep["weight_bytes"] == weight_bytes(model)
     assert efficiency_report(model, None, prompt_len=4, new_tokens=2, repeats=1)["disk_bytes"] is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process RSS figures are read from Linux /proc")
+def test_peak_memory_rise_counts_what_the_block_allocates():
+    import torch
+
+    from prunelight.evaluation.efficiency import PeakMemory
+
+    with PeakMemory(torch.device("cpu")) as mem:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del x
+    assert mem.start is not None and mem.peak >= mem.start
+    assert mem.rise >= 60 * 2**20, mem.rise
+    with PeakMemory(torch.device("cpu")) as quiet:
+        pass
+    assert quiet.rise < 16 * 2**20, "an empty block must not inherit the earlier 64 MiB peak"

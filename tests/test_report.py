@@ -127,3 +127,17 @@ def test_markdown_lists_layer_importance_beside_layer_shapes_and_notes():
     assert "| 1 | 4 | 1 | 32 | 0.5000 |" in md
     assert "removal" not in md  # a measure that does not match the layer count (depth-pruned) is left out
     assert "Note: look here" in md
+
+
+def test_summary_uses_the_suite_perplexity_when_the_callbacks_did_not_measure_it():
+    rec = {"dataset": "wikitext2", "source": "test.txt", "split": None, "seq_len_requested": 128, "seq_len": 128,
+           "tokens": 1000}
+    ev = {m: {"perplexity": [{**rec, "ppl": p}]} for m, p in (("dense", 10.0), ("pruned", 12.5), ("recovered", 11.0))}
+    md = render_markdown({"model": "m", "params_before": 100, "params_after": 80, "ppl": {}, "evaluation": ev,
+                          "plan": {"params_removed": 20}})
+    assert "| dense | 100 | 10.00 |" in md and "| pruned | 80 | 12.50 |" in md and "| recovered | 80 | 11.00 |" in md
+    assert "Evaluation: wikitext2 `test.txt`, 128 tokens per window" in md
+    # the callbacks' own numbers win when present
+    md = render_markdown({"model": "m", "params_before": 100, "params_after": 80, "ppl": {"dense": 9.0},
+                          "evaluation": ev, "plan": {"params_removed": 20}})
+    assert "| dense | 100 | 9.00 |" in md

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import statistics
 import sys
 import time
@@ -65,23 +67,61 @@ def kv_cache_bytes(model: nn.Module, batch_size: int, length: int) -> int:
     return 2 * kv_heads * head_dim * batch_size * length * elem
 
 
+def _rss_field(name: str) -> int | None:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in bytes; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release_freed_heap() -> None:
+    """Return freed heap pages to the OS (glibc `malloc_trim`), so RSS reflects live memory.
+
+    Without it, memory freed by earlier work (an lm-eval pass holds GBs of small Python objects) stays in
+    the process's RSS and is counted as the next model's "peak".
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 class PeakMemory:
-    """Peak memory over a block: CUDA allocator peak, or the process's peak RSS (Linux VmHWM, reset first)."""
+    """Peak memory over a block, and its rise above the block's start.
+
+    CUDA: allocator peak and the peak minus what was allocated at entry. CPU (Linux): the process's peak
+    RSS (VmHWM, reset at entry after freed heap is returned) and the peak minus the RSS at entry, i.e. what
+    the block itself needed on top of the loaded model.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak: int | None = None
+        self.start: int | None = None
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "process_peak_rss"
+
+    @property
+    def rise(self) -> int | None:
+        """Peak minus the memory in use when the block started."""
+        return None if self.peak is None or self.start is None else max(0, self.peak - self.start)
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = int(torch.cuda.memory_allocated(self.device))
         elif sys.platform.startswith("linux"):
-            try:  # "5" resets the peak RSS counter (Linux >= 4.0) so earlier work does not count
+            release_freed_heap()
+            try:  # "5" resets the peak RSS counter (Linux >= 4.0) to the current RSS
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
                 pass
+            self.start = _rss_field("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -89,9 +129,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
         elif sys.platform.startswith("linux"):
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    self.peak = int(line.split()[1]) * 1024
+            self.peak = _rss_field("VmHWM")
 
 
 def _sync(device: torch.device) -> None:
@@ -150,6 +188,7 @@ def measure_speed(model: nn.Module, batch_size: int = 1, prompt_len: int = 128, 
         "decode_latency_ms_per_token": 1000 * td / new_tokens,
         "prefill_latency_ms": 1000 * tp,
         "peak_memory_bytes": mem.peak,
+        "peak_memory_rise_bytes": mem.rise,
         "peak_memory_kind": mem.kind,
         "kv_cache_bytes": kv_cache_bytes(base, batch_size, prompt_len + new_tokens),
     }

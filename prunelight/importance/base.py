@@ -128,9 +128,13 @@ class ActGradCriterion(Criterion):
             x = args[0]
             if not x.requires_grad:
                 return
+            # The closure holds a detached alias, never `x`: x's graph node owns this hook, so capturing x
+            # would form a cycle (node -> hook -> x -> node) that keeps every batch's activations alive
+            # until Python's cyclic GC happens to run (memory grew by one batch of activations per batch).
+            a = x.detach()
 
             def on_grad(g: torch.Tensor) -> None:
-                ag = (x.detach().float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
+                ag = (a.float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
                 per_sample = ag.view(ag.shape[0], units, -1).sum(-1)  # [batch, units]
                 self.stats[kind][layer] += self.reduce_samples(per_sample)
 
