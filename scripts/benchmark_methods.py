@@ -221,7 +221,34 @@ def _markdown(meta: dict, results: list[dict]) -> str:
                     f"{res['scoring_extra_mib']:.0f}" if "scoring_extra_mib" in res else "—",
                 ]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + _pivot(meta, results)) + "\n"
+
+
+def _pivot(meta: dict, results: list[dict]) -> list[str]:
+    """The same numbers as one row per criterion: perplexity per allocation, scoring time and memory."""
+    allocs = list(meta["allocations"])
+    dense = next((r["rows"][0]["ppl"] for r in results if r["criterion"] == "dense" and r["rows"]), None)
+    lines = [f"WikiText-2 perplexity after removing {meta['ratio']:.0%} of parameters (dense: "
+             f"{'n/a' if dense is None else f'{dense:.2f}'}); a `*` marks a plan more than 0.5% of the model off "
+             f"the budget.", "",
+             "| criterion | " + " | ".join(allocs) + " | scoring time (s) | scoring +MiB |",
+             "|---|" + "---:|" * (len(allocs) + 2)]
+    for res in results:
+        if res["criterion"] == "dense":
+            continue
+        rows = {row["allocation"]: row for row in res["rows"]}
+        cells = []
+        for a in allocs:
+            row = rows.get(a)
+            if row is None or "error" in row:
+                cells.append("error" if row else "—")
+                continue
+            off = abs(row["params_removed"] / meta["params_total"] - meta["ratio"]) > 0.005
+            cells.append(f"{row['ppl']:.1f}{'*' if off else ''}")
+        cells += [f"{res['scoring_s']:.1f}" if "scoring_s" in res else "—",
+                  f"{res['scoring_extra_mib']:.0f}" if "scoring_extra_mib" in res else "—"]
+        lines.append(f"| {res['criterion']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: Path) -> list[str]:
