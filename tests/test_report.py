@@ -91,6 +91,15 @@ def test_fit_reports_dense_pruned_recovered_with_figures(tmp_path):
     assert again["recovered"]["perplexity"][0]["ppl"] == pytest.approx(ev["recovered"]["perplexity"][0]["ppl"], rel=1e-4)
     assert again["dense"]["perplexity"][0]["ppl"] == pytest.approx(ev["dense"]["perplexity"][0]["ppl"], rel=1e-4)
 
+    # Without naming any data, `--run` re-measures the run's own perplexity sets (not the hub defaults).
+    out2 = tmp_path / "re2"
+    cli_main(["evaluate", "--run", str(run), "--out_dir", str(out2), "--evaluation.zeroshot", "false",
+              "--evaluation.efficiency", "false", "--evaluation.seq_lens", "[16]"])
+    inherited = json.loads((out2 / "report.json").read_text())
+    assert inherited["evaluation_settings"]["ppl_datasets"] == rep["evaluation_settings"]["ppl_datasets"]
+    assert inherited["evaluation"]["recovered"]["perplexity"][0]["ppl"] == pytest.approx(
+        ev["recovered"]["perplexity"][0]["ppl"], rel=1e-4)
+
 
 def test_overlap_refused_then_reported_loudly(tmp_path):
     cfg = _config(tmp_path)

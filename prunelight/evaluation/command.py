@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from prunelight.data import TextSource
 from prunelight.evaluation.figures import write_figures
 from prunelight.evaluation.suite import EvaluationSettings, Evaluator
 from prunelight.plan import PrunePlan
@@ -26,6 +28,29 @@ def _all_local(models: dict[str, str], settings: EvaluationSettings) -> bool:
     local_ppl = not settings.perplexity or (
         settings.ppl_datasets is not None and all(s.path for s in settings.ppl_datasets.values()))
     return local_models and local_zs and local_ppl
+
+
+def inherit_run_data(settings: EvaluationSettings, report: dict) -> EvaluationSettings:
+    """Data choices left unset default to what the run itself measured, so `--run` re-measures the same sets.
+
+    Perplexity sets come from the run's evaluation suite, else from its data module's local eval file;
+    the zero-shot folder from the run's evaluation suite. Anything given explicitly is kept.
+    """
+    recorded = report.get("evaluation_settings") or {}
+    changes: dict = {}
+    if settings.ppl_datasets is None:
+        if recorded.get("ppl_datasets"):
+            changes["ppl_datasets"] = {k: TextSource(**v) for k, v in recorded["ppl_datasets"].items()}
+        else:
+            src = (report.get("eval") or {}).get("source")
+            if src and Path(src).expanduser().exists():
+                changes["ppl_datasets"] = {f"{Path(src).parent.name}/{Path(src).name}": TextSource(path=src)}
+    if settings.zeroshot_data_dir is None and recorded.get("zeroshot_data_dir"):
+        changes["zeroshot_data_dir"] = recorded["zeroshot_data_dir"]
+    if changes:
+        log.info("using the run's own evaluation data: %s", ", ".join(
+            f"{k}={list(v) if isinstance(v, dict) else v}" for k, v in changes.items()))
+    return dataclasses.replace(settings, **changes)
 
 
 def _load(path: str, dtype: str, device: str):
@@ -47,7 +72,8 @@ def evaluate(
     """Evaluate `models` (label -> folder or hub id) and/or the exported model of the finished `run` folder.
 
     With `run`, its model is labelled "recovered", the dense model it started from is added (unless
-    dense=false), and the results are merged into the run's report (figures included).
+    dense=false), unset data choices default to the run's own (`inherit_run_data`), and the results are
+    merged into the run's report (figures included).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -67,6 +93,7 @@ def evaluate(
             models = {"dense": report["model"], **models}
         models.setdefault("recovered", str(run_dir / "model"))
         out_dir = out_dir or str(run_dir)
+        evaluation = inherit_run_data(evaluation, report)
     if not models:
         raise ValueError("nothing to evaluate: give --models '{name: folder}' and/or --run <finished run folder>")
     out = Path(out_dir or "runs/evaluate")
