@@ -100,12 +100,9 @@ def _evaluation_sections(ev: dict) -> list[str]:
     return lines
 
 
-STATES = ("dense", "pruned", "recovered")
-
-
 def _suite_headline(ev: dict) -> tuple[dict, dict] | None:
     """Perplexity per model state from the evaluation suite's first record, and that record."""
-    first = {m: ev[m]["perplexity"][0] for m in STATES if (ev.get(m) or {}).get("perplexity")}
+    first = {m: ev[m]["perplexity"][0] for m in MODELS if (ev.get(m) or {}).get("perplexity")}
     if not first:
         return None
     return {m: r["ppl"] for m, r in first.items()}, next(iter(first.values()))
@@ -127,7 +124,7 @@ def render_markdown(report: dict) -> str:
     eval_line = (f"Evaluation: `{report.get('eval', {}).get('source')}`, "
                  f"{report.get('eval', {}).get('seq_len')} tokens per window")
     suite = _suite_headline(report.get("evaluation") or {})
-    if suite and not any(ppl.get(m) is not None for m in STATES):
+    if suite and not any(ppl.get(m) is not None for m in MODELS):
         # The callbacks' own perplexity was off because the evaluation suite measures it: show its first set.
         ppl, rec = suite
         eval_line = (f"Evaluation: {rec['dataset']} `{rec.get('source') or rec.get('split')}`, {rec['seq_len']} tokens "

@@ -6,14 +6,14 @@ each allocation registered in `prunelight.allocation.ALLOCATIONS` allocates the 
 copy of the model and measures WikiText-2 perplexity. Results go to a Markdown table (stdout and
 --out) and JSON (--json), both written atomically.
 
-Peak memory: on Linux CPU, the criterion's own process resets its resident-set high-water mark
-(/proc/self/clear_refs) once the model and token tensors are loaded, and reads VmHWM after scoring:
-"peak memory" is the process's peak RSS while scoring and "scoring +MiB" is that peak minus the RSS
-just before scoring, i.e. what the criterion itself needed. (Without /proc, ru_maxrss is used, which
-also counts import and model-loading peaks.) tracemalloc does not see torch's allocator, so it is not
+Peak memory: `prunelight.evaluation.efficiency.PeakMemory`, the same measurement as the report's. On
+Linux CPU the criterion's process returns freed heap to the OS, resets its resident-set high-water mark
+(/proc/self/clear_refs) once the model and token tensors are loaded, and reads VmHWM after scoring: "peak
+memory" is the process's peak RSS while scoring and "scoring +MiB" is that peak minus the RSS just before
+scoring, i.e. what the criterion itself needed. tracemalloc does not see torch's allocator, so it is not
 used. On CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats is reported instead.
 
-Reference run (the README table; ~15-25 min on 2 CPU cores with 5 allocations):
+Reference run (the README table; 7.5 min on 2 CPU cores with 5 allocations):
     python scripts/benchmark_methods.py --out results/criteria.md --json results/criteria.json
 Quick check:
     python scripts/benchmark_methods.py --samples 8 --eval-tokens 4096 --criteria taylor,wanda
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -73,37 +71,6 @@ def _allocations() -> list[str]:
     return list(allocation.ALLOCATIONS)
 
 
-def _status_mib(field: str) -> float | None:
-    """A memory field (VmRSS, VmHWM) of /proc/self/status in MiB; None without /proc."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024  # reported in kB
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak(device: torch.device) -> float:
-    """Start a fresh peak-memory window; returns the memory in use now (MiB)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device) / 2**20
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-    return _status_mib("VmRSS") or _peak_mib(device)
-
-
-def _peak_mib(device: torch.device) -> float:
-    """Peak memory since the last `_reset_peak` (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return _status_mib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB
-
-
 def _load_model(path: str, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -138,6 +105,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
     from prunelight.allocation import allocate
     from prunelight.calibration import run_calibration
+    from prunelight.evaluation.efficiency import PeakMemory
     from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
     from prunelight.surgery import apply_plan
@@ -154,12 +122,12 @@ def run_worker(args: argparse.Namespace) -> dict:
         return result
 
     criterion = build_criterion(args.worker, **json.loads(args.criterion_args).get(args.worker, {}))
-    before = _reset_peak(device)
-    t0 = time.perf_counter()
-    scores = run_calibration(model, calib if criterion.needs_data else [], criterion)
-    result["scoring_s"] = time.perf_counter() - t0
-    result["peak_mib"] = _peak_mib(device)
-    result["scoring_extra_mib"] = result["peak_mib"] - before
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        scores = run_calibration(model, calib if criterion.needs_data else [], criterion)
+        result["scoring_s"] = time.perf_counter() - t0
+    if mem.peak is not None:  # None off Linux/CUDA: the table shows "—"
+        result["peak_mib"], result["scoring_extra_mib"] = mem.peak / 2**20, mem.rise / 2**20
     result["samples"] = criterion.num_samples
 
     extra_args = json.loads(args.allocation_args)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from prunelight.allocation import count_params
 from prunelight.evaluation.efficiency import (
+    PeakMemory,
     efficiency_report,
     folder_bytes,
     kv_cache_bytes,
@@ -68,10 +70,6 @@ def test_efficiency_report_has_everything(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process RSS figures are read from Linux /proc")
 def test_peak_memory_rise_counts_what_the_block_allocates():
-    import torch
-
-    from prunelight.evaluation.efficiency import PeakMemory
-
     with PeakMemory(torch.device("cpu")) as mem:
         x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
         del x

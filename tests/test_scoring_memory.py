@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -50,8 +51,6 @@ def test_no_batch_activations_outlive_the_calibration_pass(criterion):
     batch's o_proj / down_proj inputs were (hook closure -> input -> its graph node -> hook), so memory
     grew by one batch of activations per calibration batch (1.4 GiB after 16 batches on the 8M model).
     """
-    import gc
-
     model = tiny_model("llama")
     inter = model.config.intermediate_size
     batches = [torch.randint(3, 128, (5, 24), generator=torch.Generator().manual_seed(i)) for i in range(3)]
