@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunelight.adapters import unwrap
+from prunelight.families import unwrap
 from prunelight.importance.base import KINDS, Criterion, UnitScores
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from prunelight.io import atomic_file
+from prunelight.atomic import atomic_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

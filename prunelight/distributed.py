@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.importance.base import Criterion, UnitScores
 from prunelight.plan import PrunePlan
 
@@ -110,7 +110,7 @@ def gathered(module: nn.Module, modifier_rank: int | None = None) -> Iterator[nn
 def _top_level_parts(model: nn.Module) -> list[nn.Module]:
     """The modules to gather one at a time: each decoder layer, then every other direct parameter holder."""
     base = unwrap(model)
-    layers = list(get_adapter(base).layers(base))
+    layers = list(get_family(base).layers(base))
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     others = []
     for module in base.modules():
@@ -128,7 +128,7 @@ def gathered_state_dict(model: nn.Module, to_cpu: bool = True, keep: bool = True
     """
     base = unwrap(model)
     names = {id(m): n for n, m in base.named_modules()}
-    layer_ids = {id(m) for m in get_adapter(base).layers(base)}
+    layer_ids = {id(m) for m in get_family(base).layers(base)}
     out: dict[str, torch.Tensor] = {}
     for part in _top_level_parts(base):
         prefix = names[id(part)]
@@ -153,9 +153,9 @@ def gathered_scores(model: nn.Module, criterion: Criterion) -> UnitScores:
     The criterion sees the model with a one-layer layer list, so it reads only that layer's weights.
     """
     base = unwrap(model)
-    adapter = get_adapter(base)
-    layers = adapter.layers(base)
-    parent, attr = _layers_parent(base, adapter.layers_path)
+    family = get_family(base)
+    layers = family.layers(base)
+    parent, attr = _layers_parent(base, family.layers_path)
     out: UnitScores = {"attn": [], "mlp": []}
     try:
         for layer in list(layers):

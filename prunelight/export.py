@@ -9,8 +9,8 @@ from pathlib import Path
 from torch import nn
 
 from prunelight import modeling
-from prunelight.adapters import get_adapter, unwrap
-from prunelight.io import atomic_dir
+from prunelight.families import get_family, unwrap
+from prunelight.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,10 @@ def _stock_model_type(config) -> str:
 def export_config(model: nn.Module):
     """The config to save: stock when every layer has the same shape (and stock validation accepts it), else pruned."""
     base = unwrap(model)
-    adapter = get_adapter(base)
-    shapes = adapter.layer_shapes(base)
+    family = get_family(base)
+    shapes = family.layer_shapes(base)
     data = base.config.to_dict()
-    data["head_dim"] = adapter.head_dim(base.config)
+    data["head_dim"] = family.head_dim(base.config)
     data.pop("layer_shapes", None)
     data.pop("auto_map", None)
     stock_type = _stock_model_type(base.config)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.evaluation.perplexity import evaluate_perplexity
 
 LAYER_IMPORTANCE = ("removal", "activation_change", "block_influence")
@@ -43,7 +43,7 @@ def _hidden(x):
 def _change_stats(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], list[float]]:
     """Per layer: mean (1 - cosine) and mean relative L2 change between input and output hidden states."""
     base = unwrap(model)
-    layers = get_adapter(base).layers(base)
+    layers = get_family(base).layers(base)
     cos_sum = [0.0] * len(layers)
     rel_sum = [0.0] * len(layers)
     count = [0] * len(layers)
@@ -120,7 +120,7 @@ def layer_importance(
     batches = _batches(batches, max_batches)
     base = unwrap(model)
     if method == "removal":
-        return _removal(base, batches, list(get_adapter(base).layers(base)), "layer")
+        return _removal(base, batches, list(get_family(base).layers(base)), "layer")
     influence, change = _change_stats(base, batches)
     return influence if method == "block_influence" else change
 
@@ -138,7 +138,7 @@ def layer_importances(
         influence, change = _change_stats(base, batches)
         out.update(block_influence=influence, activation_change=change)
     if "removal" in methods:
-        out["removal"] = _removal(base, batches, list(get_adapter(base).layers(base)), "layer")
+        out["removal"] = _removal(base, batches, list(get_family(base).layers(base)), "layer")
     return {m: out[m] for m in methods}
 
 
@@ -148,10 +148,10 @@ def subblock_removal(
     """Perplexity increase when each attention / MLP sub-block alone is skipped (None where already removed)."""
     batches = _batches(batches, max_batches)
     base = unwrap(model)
-    adapter = get_adapter(base)
+    family = get_family(base)
     out: dict[str, list[float | None]] = {}
-    for kind, getter in (("attn", adapter.attn), ("mlp", adapter.mlp)):
-        mods = [getter(layer) for layer in adapter.layers(base)]
+    for kind, getter in (("attn", family.attn), ("mlp", family.mlp)):
+        mods = [getter(layer) for layer in family.layers(base)]
         present = [m for m in mods if m is not None]
         vals = iter(_removal(base, batches, present, "residual"))
         out[kind] = [None if m is None else next(vals) for m in mods]

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.distributed import hf_zero3_loading, trainable_keys
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
@@ -81,7 +81,7 @@ class PruneLM(L.LightningModule):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.pretrained, **kwargs)
-        get_adapter(model)  # unsupported architectures fail here, before any work
+        get_family(model)  # unsupported architectures fail here, before any work
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -133,7 +133,7 @@ class PruneLM(L.LightningModule):
             for p in self.model.parameters():
                 p.requires_grad_(False)
 
-    def merge_adapters(self) -> None:
+    def merge_lora(self) -> None:
         """Fold LoRA into the base weights (idempotent)."""
         if self.lora_active:
             self.model = merge_lora(self.model)

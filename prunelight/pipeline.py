@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from prunelight.adapters import unwrap
+from prunelight.families import unwrap
 from prunelight.allocation import allocate, check_allocation_options, precheck
 from prunelight.allocation.split_search import masked, parse_split, search_split
 from prunelight.calibration import run_calibration

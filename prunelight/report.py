@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prunelight.io import atomic_write_json, atomic_write_text
+from prunelight.atomic import atomic_write_json, atomic_write_text
 
 
 def _fmt(x, nd: int = 2) -> str:

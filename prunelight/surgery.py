@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.adapters import ArchAdapter, LayerShape, get_adapter, unwrap
+from prunelight.families import ModelFamily, LayerShape, get_family, unwrap
 from prunelight.modeling import RemovedAttention, RemovedMLP
 from prunelight.plan import PrunePlan
 
@@ -48,35 +48,35 @@ def head_rows(groups: list[int], heads_per_group: int, head_dim: int) -> torch.T
     return torch.tensor(idx, dtype=torch.long)
 
 
-def prune_attention(attn: nn.Module, adapter: ArchAdapter, keep: list[int], rep: int, head_dim: int) -> None:
+def prune_attention(attn: nn.Module, family: ModelFamily, keep: list[int], rep: int, head_dim: int) -> None:
     """Keep only the GQA groups `keep` (one KV head and its `rep` query heads each)."""
-    q, k, v = adapter.qkv(attn)
-    o = adapter.o(attn)
+    q, k, v = family.qkv(attn)
+    o = family.o(attn)
     q_rows = head_rows(keep, rep, head_dim)
     kv_rows = head_rows(keep, 1, head_dim)
-    setattr(attn, adapter.q_name, _sliced_linear(q, q_rows, None))
-    setattr(attn, adapter.k_name, _sliced_linear(k, kv_rows, None))
-    setattr(attn, adapter.v_name, _sliced_linear(v, kv_rows, None))
-    setattr(attn, adapter.o_name, _sliced_linear(o, None, q_rows))
+    setattr(attn, family.q_name, _sliced_linear(q, q_rows, None))
+    setattr(attn, family.k_name, _sliced_linear(k, kv_rows, None))
+    setattr(attn, family.v_name, _sliced_linear(v, kv_rows, None))
+    setattr(attn, family.o_name, _sliced_linear(o, None, q_rows))
     # Attention reshapes with -1 heads; only the q/kv ratio is read, and whole groups keep it.
     attn.num_key_value_groups = rep
     attn.num_heads, attn.num_key_value_heads = rep * len(keep), len(keep)
 
 
-def prune_mlp(mlp: nn.Module, adapter: ArchAdapter, keep: list[int]) -> None:
+def prune_mlp(mlp: nn.Module, family: ModelFamily, keep: list[int]) -> None:
     """Keep only the MLP channels `keep` (gate/up rows and down columns)."""
-    gate, up, down = adapter.gate_up_down(mlp)
+    gate, up, down = family.gate_up_down(mlp)
     idx = torch.tensor(keep, dtype=torch.long)
-    setattr(mlp, adapter.gate_name, _sliced_linear(gate, idx, None))
-    setattr(mlp, adapter.up_name, _sliced_linear(up, idx, None))
-    setattr(mlp, adapter.down_name, _sliced_linear(down, None, idx))
+    setattr(mlp, family.gate_name, _sliced_linear(gate, idx, None))
+    setattr(mlp, family.up_name, _sliced_linear(up, idx, None))
+    setattr(mlp, family.down_name, _sliced_linear(down, None, idx))
     mlp.intermediate_size = len(keep)
 
 
 def check_plan(model: nn.Module, plan: PrunePlan) -> None:
     """Refuse a plan that does not fit the model (wrong depth, indices out of range, duplicates)."""
-    adapter = get_adapter(model)
-    shapes = adapter.layer_shapes(model)
+    family = get_family(model)
+    shapes = family.layer_shapes(model)
     if plan.num_layers != len(shapes):
         raise ValueError(f"plan covers {plan.num_layers} layers but the model has {len(shapes)}")
     for i, (lp, shape) in enumerate(zip(plan.layers, shapes)):
@@ -96,43 +96,43 @@ def check_plan(model: nn.Module, plan: PrunePlan) -> None:
 def apply_plan(model: nn.Module, plan: PrunePlan) -> list[LayerShape]:
     """Cut `model` in place to the kept units of `plan`; returns the new per-layer shapes."""
     check_plan(model, plan)
-    adapter = get_adapter(model)
+    family = get_family(model)
     config = unwrap(model).config
-    hd = adapter.head_dim(config)
-    for layer, lp, shape in zip(adapter.layers(model), plan.layers, adapter.layer_shapes(model)):
+    hd = family.head_dim(config)
+    for layer, lp, shape in zip(family.layers(model), plan.layers, family.layer_shapes(model)):
         rep = shape.num_attention_heads // shape.num_key_value_heads if shape.num_key_value_heads else 0
         keep_g = sorted(lp.keep_groups)
         if not keep_g:
-            old = getattr(layer, adapter.attn_name)
-            setattr(layer, adapter.attn_name, RemovedAttention(getattr(old, "layer_idx", None)))
+            old = getattr(layer, family.attn_name)
+            setattr(layer, family.attn_name, RemovedAttention(getattr(old, "layer_idx", None)))
         elif len(keep_g) < shape.num_key_value_heads:
-            prune_attention(adapter.attn(layer), adapter, keep_g, rep, hd)
+            prune_attention(family.attn(layer), family, keep_g, rep, hd)
         keep_c = sorted(lp.keep_channels)
         if not keep_c:
-            setattr(layer, adapter.mlp_name, RemovedMLP())
+            setattr(layer, family.mlp_name, RemovedMLP())
         elif len(keep_c) < shape.intermediate_size:
-            prune_mlp(adapter.mlp(layer), adapter, keep_c)
+            prune_mlp(family.mlp(layer), family, keep_c)
     if plan.drop_layers:
         drop_layers(model, plan.drop_layers)
-    shapes = adapter.layer_shapes(model)
+    shapes = family.layer_shapes(model)
     record_shapes(config, shapes)
     return shapes
 
 
 def drop_layers(model: nn.Module, indices: list[int]) -> None:
     """Delete whole decoder layers and renumber the rest so config, KV cache and masks stay consistent."""
-    adapter = get_adapter(model)
+    family = get_family(model)
     config = unwrap(model).config
-    layers = adapter.layers(model)
+    layers = family.layers(model)
     gone = set(indices)
     kept = [i for i in range(len(layers)) if i not in gone]
     new = nn.ModuleList([layers[i] for i in kept])
     for new_idx, layer in enumerate(new):
-        attn = getattr(layer, adapter.attn_name)
+        attn = getattr(layer, family.attn_name)
         # The KV cache is indexed by layer_idx; gaps would make DynamicCache grow past the config's layers.
         if hasattr(attn, "layer_idx"):
             attn.layer_idx = new_idx
-    parent_path, _, name = adapter.layers_path.rpartition(".")
+    parent_path, _, name = family.layers_path.rpartition(".")
     parent = unwrap(model)
     for part in parent_path.split(".") if parent_path else []:
         parent = getattr(parent, part)
@@ -153,12 +153,12 @@ def record_shapes(config, shapes: list[LayerShape]) -> None:
 
 def mask_units(model: nn.Module, plan: PrunePlan) -> None:
     """Zero the removed units in place without changing shapes (the reference for surgery tests)."""
-    adapter = get_adapter(model)
+    family = get_family(model)
     config = unwrap(model).config
-    hd = adapter.head_dim(config)
+    hd = family.head_dim(config)
     with torch.no_grad():
         for i, (layer, lp, shape, n_g, n_c) in enumerate(zip(
-            adapter.layers(model), plan.layers, adapter.layer_shapes(model), plan.num_groups, plan.num_channels
+            family.layers(model), plan.layers, family.layer_shapes(model), plan.num_groups, plan.num_channels
         )):
             if i in plan.drop_layers:  # a dropped layer passes its input through: silence both sub-blocks
                 lp = type(lp)([], [])
@@ -167,7 +167,7 @@ def mask_units(model: nn.Module, plan: PrunePlan) -> None:
             if gone_g:
                 # Zeroing o_proj's input columns silences the group's heads exactly.
                 cols = head_rows(gone_g, rep, hd)
-                adapter.o(adapter.attn(layer)).weight[:, cols] = 0
+                family.o(family.attn(layer)).weight[:, cols] = 0
             gone_c = [c for c in range(n_c) if c not in set(lp.keep_channels)]
             if gone_c:
-                adapter.gate_up_down(adapter.mlp(layer))[2].weight[:, torch.tensor(gone_c)] = 0
+                family.gate_up_down(family.mlp(layer))[2].weight[:, torch.tensor(gone_c)] = 0

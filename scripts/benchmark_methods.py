@@ -232,7 +232,7 @@ def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: 
 def main(argv: list[str] | None = None) -> None:
     """Run the criterion x allocation benchmark (or one worker of it)."""
     from prunelight.importance import CRITERIA
-    from prunelight.io import atomic_write_json, atomic_write_text
+    from prunelight.atomic import atomic_write_json, atomic_write_text
     from prunelight.testing import shared_dir
 
     shared = shared_dir()

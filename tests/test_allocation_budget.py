@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.allocation import allocate, count_params
 from prunelight.importance import build_criterion
 from prunelight.surgery import apply_plan
@@ -27,7 +27,7 @@ def test_budget_met_and_counted_exactly(method, ratio):
     assert before - after == plan.meta["params_removed"], "meta must count what surgery actually removed"
     assert plan.meta["params_removed"] >= plan.meta["params_target_removed"]
     # overshoot is at most one unit (a GQA group is the coarsest unit)
-    group_cost = get_adapter(model).group_param_cost(model.config)
+    group_cost = get_family(model).group_param_cost(model.config)
     assert plan.meta["params_removed"] - plan.meta["params_target_removed"] <= group_cost * (4 if method == "uniform" else 1)
 
 

@@ -110,7 +110,7 @@ def test_gathered_scores_equal_direct_magnitude(tiny):
         for a, b in zip(direct[kind], layerwise[kind]):
             torch.testing.assert_close(a, b)
     # The one-layer view is undone.
-    assert len(distributed.get_adapter(tiny).layers(tiny)) == tiny.config.num_hidden_layers
+    assert len(distributed.get_family(tiny).layers(tiny)) == tiny.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("criterion", ["taylor", "magnitude"])

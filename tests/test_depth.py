@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.export import export_pretrained
 from prunelight.pipeline import make_plan
 from prunelight.plan import LayerPlan, PrunePlan
@@ -111,7 +111,7 @@ def test_depth_allocation_drops_the_least_influential_layer():
     before = sum(p.numel() for p in model.parameters())
     apply_plan(model, plan)
     assert before - sum(p.numel() for p in model.parameters()) == plan.meta["params_removed"]
-    assert get_adapter(model).layer_shapes(model)[0].num_key_value_heads == 2
+    assert get_family(model).layer_shapes(model)[0].num_key_value_heads == 2
     assert model.generate(PROMPT, max_new_tokens=3, do_sample=False).shape == (1, 8)
 
 
@@ -156,6 +156,6 @@ def test_depth_preset_runs_end_to_end(tmp_path, monkeypatch):
     fresh.load_state_dict(state["state_dict"])
     assert fresh.base_model.config.num_hidden_layers == loaded.config.num_hidden_layers
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    fresh.merge_adapters()
+    fresh.merge_lora()
     with torch.no_grad():
         torch.testing.assert_close(fresh.base_model.eval()(ids).logits, cli.model.base_model.eval()(ids).logits)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.calibration import calibration_loss, run_calibration
 from prunelight.importance import CRITERIA, WeightGradCriterion, build_criterion
 from prunelight.importance.ownership import owned_tensors
@@ -45,7 +45,7 @@ def test_scores_match_layer_shapes_and_repeat_exactly(family, name):
     ids = _ids()
     first = _score(tiny_model(family), name, ids)
     again = _score(tiny_model(family), name, ids)
-    shapes = get_adapter(tiny_model(family)).layer_shapes(tiny_model(family))
+    shapes = get_family(tiny_model(family)).layer_shapes(tiny_model(family))
     assert [t.numel() for t in first["attn"]] == [s.num_key_value_heads for s in shapes]
     assert [t.numel() for t in first["mlp"]] == [s.intermediate_size for s in shapes]
     for kind in ("attn", "mlp"):
@@ -127,7 +127,7 @@ def test_weight_taylor_and_second_order_match_explicit_formulas():
 def test_wanda_matches_explicit_formula():
     model, ids = tiny_model("llama"), _ids()
     seen = {}
-    layer = get_adapter(model).layers(model)[1]
+    layer = get_family(model).layers(model)[1]
     hooks = [
         layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("o", []).append(a[0])),
         layer.mlp.gate_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("mlp", []).append(a[0])),

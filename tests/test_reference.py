@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.data import TextSource, pack_blocks, sample_windows, tokenize_source
 from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.export import export_pretrained
@@ -37,7 +37,7 @@ def test_taylor_plan_cut_equals_mask_on_reference(ref):
     apply_plan(cut, plan)
     with torch.no_grad():
         torch.testing.assert_close(cut(evalb[0]).logits, masked(evalb[0]).logits, atol=2e-4, rtol=1e-4)
-    for shape in get_adapter(cut).layer_shapes(cut):
+    for shape in get_family(cut).layer_shapes(cut):
         assert shape.num_attention_heads == 4 * shape.num_key_value_heads  # the 4:1 GQA ratio survives
 
 

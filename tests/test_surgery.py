@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.surgery import apply_plan, mask_units
 
 
 def _plan(model, keep_groups, keep_channels) -> PrunePlan:
-    shapes = get_adapter(model).layer_shapes(model)
+    shapes = get_family(model).layer_shapes(model)
     return PrunePlan(
         layers=[LayerPlan(g, c) for g, c in zip(keep_groups, keep_channels)],
         num_groups=[s.num_key_value_heads for s in shapes],

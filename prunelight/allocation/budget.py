@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.plan import LayerPlan, PrunePlan
 
@@ -23,7 +23,7 @@ def count_params(model: nn.Module) -> int:
 
 def decoder_params(model: nn.Module) -> int:
     """Parameters inside the decoder layers (what width pruning can remove)."""
-    return sum(p.numel() for p in get_adapter(model).layers(model).parameters())
+    return sum(p.numel() for p in get_family(model).layers(model).parameters())
 
 
 def validate_ratio(ratio: float) -> None:
@@ -91,15 +91,15 @@ def make_budget(model: nn.Module, ratio: float, min_groups: int = 1, min_channel
     for name, v in (("min_groups", min_groups), ("min_channels", min_channels)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-    adapter = get_adapter(model)
+    family = get_family(model)
     config = unwrap(model).config
-    g_cost, c_cost = adapter.group_param_cost(config), adapter.channel_param_cost(config)
-    shapes = adapter.layer_shapes(model)
+    g_cost, c_cost = family.group_param_cost(config), family.channel_param_cost(config)
+    shapes = family.layer_shapes(model)
     n_groups = [s.num_key_value_heads for s in shapes]
     n_chans = [s.intermediate_size for s in shapes]
     attn_extra, mlp_extra, layer_extra = [], [], []
-    for layer, g, c in zip(adapter.layers(model), n_groups, n_chans):
-        a, m = _numel(adapter.attn(layer)), _numel(adapter.mlp(layer))
+    for layer, g, c in zip(family.layers(model), n_groups, n_chans):
+        a, m = _numel(family.attn(layer)), _numel(family.mlp(layer))
         attn_extra.append(a - g * g_cost)
         mlp_extra.append(m - c * c_cost)
         layer_extra.append(_numel(layer) - a - m)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.plan import PrunePlan
 from prunelight.surgery import head_rows
 
@@ -97,26 +97,26 @@ def search_split(
 def masked(model: nn.Module, plan: PrunePlan) -> Iterator[None]:
     """Run `model` as if `plan` were applied, without changing any weight (input masks on o_proj / down_proj)."""
     base = unwrap(model)
-    adapter = get_adapter(base)
-    hd = adapter.head_dim(base.config)
+    family = get_family(base)
+    hd = family.head_dim(base.config)
     handles = []
 
     def mask_hook(mask):
         return lambda module, args: (args[0] * mask.to(args[0].dtype),)
 
     try:
-        for i, (layer, lp, shape) in enumerate(zip(adapter.layers(base), plan.layers, adapter.layer_shapes(base))):
+        for i, (layer, lp, shape) in enumerate(zip(family.layers(base), plan.layers, family.layer_shapes(base))):
             dropped = i in plan.drop_layers
-            attn, mlp = adapter.attn(layer), adapter.mlp(layer)
+            attn, mlp = family.attn(layer), family.mlp(layer)
             if attn is not None and (dropped or len(lp.keep_groups) < plan.num_groups[i]):
-                o = adapter.o(attn)
+                o = family.o(attn)
                 mask = torch.zeros(o.in_features, device=o.weight.device)
                 if not dropped:
                     rep = shape.num_attention_heads // shape.num_key_value_heads
                     mask[head_rows(sorted(lp.keep_groups), rep, hd).to(mask.device)] = 1
                 handles.append(o.register_forward_pre_hook(mask_hook(mask)))
             if mlp is not None and (dropped or len(lp.keep_channels) < plan.num_channels[i]):
-                down = adapter.gate_up_down(mlp)[2]
+                down = family.gate_up_down(mlp)[2]
                 mask = torch.zeros(down.in_features, device=down.weight.device)
                 if not dropped and lp.keep_channels:
                     mask[torch.tensor(lp.keep_channels, device=mask.device)] = 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import lightning as L
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.allocation import count_params
 from prunelight.data import overlap_fraction
 from prunelight.distributed import gathered_merged_copy, zero_stage
@@ -125,7 +125,7 @@ class ExportCallback(L.Callback):
             if merged is not None:
                 pl_module.model = merged
         else:
-            pl_module.merge_adapters()
+            pl_module.merge_lora()
         report = pl_module.run_report
         times = report.setdefault("times_s", {})
         dm = trainer.datamodule
@@ -146,7 +146,7 @@ class ExportCallback(L.Callback):
                               "lora": pl_module.lora.as_dict() if pl_module.recovery == "lora" else None}
         report["params_after"] = count_params(pl_module.base_model)
         base = pl_module.base_model
-        report["layers"] = [s.as_dict() for s in get_adapter(base).layer_shapes(base)]
+        report["layers"] = [s.as_dict() for s in get_family(base).layer_shapes(base)]
         if pl_module.plan is not None:
             report["prune_plan"] = {k: v for k, v in pl_module.plan.to_dict().items() if k != "meta"}
         if dm is not None:

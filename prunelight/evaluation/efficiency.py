@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 
 
 def parameter_breakdown(model: nn.Module) -> dict:
     """Total parameters and per component: embeddings, attention, MLP, norms, LM head (tied counted once)."""
     base = unwrap(model)
-    adapter = get_adapter(base)
+    family = get_family(base)
     seen: set[int] = set()
 
     def count(module: nn.Module) -> int:
@@ -30,9 +30,9 @@ def parameter_breakdown(model: nn.Module) -> dict:
         return n
 
     out = {"attention": 0, "mlp": 0}
-    for layer in adapter.layers(base):
-        out["attention"] += count(adapter.attn(layer))
-        out["mlp"] += count(adapter.mlp(layer))
+    for layer in family.layers(base):
+        out["attention"] += count(family.attn(layer))
+        out["mlp"] += count(family.mlp(layer))
     out["embeddings"] = count(base.get_input_embeddings())
     out["lm_head"] = count(base.get_output_embeddings())
     out["norms_and_other"] = count(base)
@@ -60,9 +60,9 @@ def folder_bytes(folder: str | Path) -> int:
 def kv_cache_bytes(model: nn.Module, batch_size: int, length: int) -> int:
     """Bytes of the KV cache for `batch_size` sequences of `length` tokens (pruned KV heads shrink it)."""
     base = unwrap(model)
-    adapter = get_adapter(base)
-    head_dim = adapter.head_dim(base.config)
-    kv_heads = sum(s.num_key_value_heads for s in adapter.layer_shapes(base))
+    family = get_family(base)
+    head_dim = family.head_dim(base.config)
+    kv_heads = sum(s.num_key_value_heads for s in family.layer_shapes(base))
     elem = next(base.parameters()).element_size()
     return 2 * kv_heads * head_dim * batch_size * length * elem
 

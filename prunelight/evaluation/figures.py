@@ -8,7 +8,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from prunelight.io import atomic_file
+from prunelight.atomic import atomic_file
 from prunelight.plan import PrunePlan
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from prunelight.adapters import ArchAdapter, get_adapter, unwrap
+from prunelight.families import ModelFamily, get_family, unwrap
 
 KINDS = ("attn", "mlp")
 OBJECTIVES = ("lm", "entropy")
@@ -51,8 +51,8 @@ class Criterion(ABC):
     # --- lifecycle --------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
         """Create zeroed accumulators and register hooks on `model`."""
-        adapter = get_adapter(model)
-        shapes = adapter.layer_shapes(model)
+        family = get_family(model)
+        shapes = family.layer_shapes(model)
         device = next(unwrap(model).parameters()).device
         self.stats = {
             "attn": [torch.zeros(s.num_key_value_heads, dtype=torch.float32, device=device) for s in shapes],
@@ -60,9 +60,9 @@ class Criterion(ABC):
         }
         self.num_samples = 0
         self.num_batches = 0
-        self._register(model, adapter)
+        self._register(model, family)
 
-    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+    def _register(self, model: nn.Module, family: ModelFamily) -> None:
         """Register hooks (subclasses that read activations override this)."""
 
     def detach(self) -> None:
@@ -112,15 +112,15 @@ class ActGradCriterion(Criterion):
     def reduce_samples(self, per_sample: torch.Tensor) -> torch.Tensor:
         """[batch, units] per-sample sums of a*g -> [units] contribution of this batch."""
 
-    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
-        for i, layer in enumerate(adapter.layers(model)):
-            attn, mlp = adapter.attn(layer), adapter.mlp(layer)
-            if attn is not None and hasattr(attn, adapter.o_name):
+    def _register(self, model: nn.Module, family: ModelFamily) -> None:
+        for i, layer in enumerate(family.layers(model)):
+            attn, mlp = family.attn(layer), family.mlp(layer)
+            if attn is not None and hasattr(attn, family.o_name):
                 n_kv = self.stats["attn"][i].numel()
-                self._handles.append(adapter.o(attn).register_forward_pre_hook(self._grad_hook("attn", i, n_kv)))
-            if mlp is not None and hasattr(mlp, adapter.down_name):
+                self._handles.append(family.o(attn).register_forward_pre_hook(self._grad_hook("attn", i, n_kv)))
+            if mlp is not None and hasattr(mlp, family.down_name):
                 n_c = self.stats["mlp"][i].numel()
-                down = adapter.gate_up_down(mlp)[2]
+                down = family.gate_up_down(mlp)[2]
                 self._handles.append(down.register_forward_pre_hook(self._grad_hook("mlp", i, n_c)))
 
     def _grad_hook(self, kind: str, layer: int, units: int):

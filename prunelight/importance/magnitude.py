@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 from prunelight.importance.base import Criterion, UnitScores
 
 
@@ -30,14 +30,14 @@ class MagnitudeCriterion(Criterion):
 
     @torch.no_grad()
     def scores(self, model: nn.Module) -> UnitScores:
-        adapter = get_adapter(model)
-        hd = adapter.head_dim(unwrap(model).config)
+        family = get_family(model)
+        hd = family.head_dim(unwrap(model).config)
         out: UnitScores = {"attn": [], "mlp": []}
-        for layer, shape in zip(adapter.layers(model), adapter.layer_shapes(model)):
+        for layer, shape in zip(family.layers(model), family.layer_shapes(model)):
             n_kv, n_c = shape.num_key_value_heads, shape.intermediate_size
             if n_kv:
-                q, k, v = adapter.qkv(adapter.attn(layer))
-                o = adapter.o(adapter.attn(layer))
+                q, k, v = family.qkv(family.attn(layer))
+                o = family.o(family.attn(layer))
                 rep = shape.num_attention_heads // n_kv
                 qw = q.weight.float().view(n_kv, rep * hd, -1).flatten(1)
                 kw = k.weight.float().view(n_kv, hd, -1).flatten(1)
@@ -47,7 +47,7 @@ class MagnitudeCriterion(Criterion):
             else:
                 out["attn"].append(torch.zeros(0))
             if n_c:
-                gate, up, down = adapter.gate_up_down(adapter.mlp(layer))
+                gate, up, down = family.gate_up_down(family.mlp(layer))
                 out["mlp"].append(self._norm([gate.weight.float(), up.weight.float(), down.weight.float().t()]))
             else:
                 out["mlp"].append(torch.zeros(0))

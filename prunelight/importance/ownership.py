@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter, unwrap
+from prunelight.families import get_family, unwrap
 
 # Which activation feeds a tensor (used by Wanda): the attention input, o_proj input, MLP input, down_proj input.
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
@@ -40,19 +40,19 @@ class OwnedTensor:
 
 def owned_tensors(model: nn.Module) -> list[OwnedTensor]:
     """Every unit-owned weight and bias of the decoder layers, in layer order."""
-    adapter = get_adapter(model)
+    family = get_family(model)
     out: list[OwnedTensor] = []
-    for i, (layer, shape) in enumerate(zip(adapter.layers(model), adapter.layer_shapes(model))):
+    for i, (layer, shape) in enumerate(zip(family.layers(model), family.layer_shapes(model))):
         if shape.num_key_value_heads:
-            attn = adapter.attn(layer)
+            attn = family.attn(layer)
             n = shape.num_key_value_heads
-            for proj in adapter.qkv(attn):
+            for proj in family.qkv(attn):
                 out.append(OwnedTensor(proj.weight, "attn", i, 0, n, "attn_in"))
                 if proj.bias is not None:
                     out.append(OwnedTensor(proj.bias, "attn", i, 0, n, "attn_in", is_bias=True))
-            out.append(OwnedTensor(adapter.o(attn).weight, "attn", i, 1, n, "o_in"))
+            out.append(OwnedTensor(family.o(attn).weight, "attn", i, 1, n, "o_in"))
         if shape.intermediate_size:
-            gate, up, down = adapter.gate_up_down(adapter.mlp(layer))
+            gate, up, down = family.gate_up_down(family.mlp(layer))
             n = shape.intermediate_size
             for proj in (gate, up):
                 out.append(OwnedTensor(proj.weight, "mlp", i, 0, n, "mlp_in"))
@@ -64,16 +64,16 @@ def owned_tensors(model: nn.Module) -> list[OwnedTensor]:
 
 def input_modules(model: nn.Module) -> list[dict[str, nn.Module]]:
     """Per layer, the module whose forward input is each activation of INPUTS (absent when removed)."""
-    adapter = get_adapter(unwrap(model))
+    family = get_family(unwrap(model))
     out = []
-    for layer, shape in zip(adapter.layers(model), adapter.layer_shapes(model)):
+    for layer, shape in zip(family.layers(model), family.layer_shapes(model)):
         mods: dict[str, nn.Module] = {}
         if shape.num_key_value_heads:
-            attn = adapter.attn(layer)
-            mods["attn_in"] = adapter.qkv(attn)[0]
-            mods["o_in"] = adapter.o(attn)
+            attn = family.attn(layer)
+            mods["attn_in"] = family.qkv(attn)[0]
+            mods["o_in"] = family.o(attn)
         if shape.intermediate_size:
-            gate, _, down = adapter.gate_up_down(adapter.mlp(layer))
+            gate, _, down = family.gate_up_down(family.mlp(layer))
             mods["mlp_in"], mods["down_in"] = gate, down
         out.append(mods)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.adapters import get_adapter
+from prunelight.families import get_family
 from prunelight.importance.base import Criterion, UnitScores
 
 
@@ -23,7 +23,7 @@ class RandomCriterion(Criterion):
     def scores(self, model: nn.Module) -> UnitScores:
         gen = torch.Generator().manual_seed(self.seed)
         out: UnitScores = {"attn": [], "mlp": []}
-        for shape in get_adapter(model).layer_shapes(model):
+        for shape in get_family(model).layer_shapes(model):
             out["attn"].append(torch.rand(shape.num_key_value_heads, generator=gen))
             out["mlp"].append(torch.rand(shape.intermediate_size, generator=gen))
         return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.adapters import ArchAdapter
+from prunelight.families import ModelFamily
 from prunelight.importance.base import KINDS, UnitScores
 from prunelight.importance.ownership import OwnedTensor
 from prunelight.importance.weight_grad import WeightGradCriterion
@@ -25,10 +25,10 @@ class SecondOrderCriterion(WeightGradCriterion):
 
     name = "second_order"
 
-    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+    def _register(self, model: nn.Module, family: ModelFamily) -> None:
         # stats holds sum_s sum_w |w g_s|; curvature holds sum_s sum_w w^2 g_s^2 (same layout).
         self.curvature = {kind: [torch.zeros_like(t) for t in self.stats[kind]] for kind in KINDS}
-        super()._register(model, adapter)
+        super()._register(model, family)
 
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
         self.stats[owned.kind][owned.layer] += owned.to_units((w * g).abs())

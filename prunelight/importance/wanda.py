@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.adapters import ArchAdapter
+from prunelight.families import ModelFamily
 from prunelight.importance.base import KINDS, Criterion, UnitScores
 from prunelight.importance.ownership import input_modules, owned_tensors
 
@@ -23,7 +23,7 @@ class WandaCriterion(Criterion):
     name = "wanda"
     needs_backward = False
 
-    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+    def _register(self, model: nn.Module, family: ModelFamily) -> None:
         self.sq_norms: list[dict[str, torch.Tensor]] = []
         for mods in input_modules(model):
             norms = {}

@@ -14,7 +14,7 @@ from abc import abstractmethod
 import torch
 from torch import nn
 
-from prunelight.adapters import ArchAdapter
+from prunelight.families import ModelFamily
 from prunelight.importance.base import KINDS, Criterion, UnitScores, check_objective
 from prunelight.importance.ownership import OwnedTensor, owned_tensors
 
@@ -43,7 +43,7 @@ class WeightGradCriterion(Criterion):
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
         """Fold one parameter's fp32 weight and gradient into the per-unit statistics."""
 
-    def _register(self, model: nn.Module, adapter: ArchAdapter) -> None:
+    def _register(self, model: nn.Module, family: ModelFamily) -> None:
         self._owned = owned_tensors(model)
         for owned in self._owned:
             self._handles.append(owned.param.register_post_accumulate_grad_hook(self._hook(owned)))

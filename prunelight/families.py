@@ -1,7 +1,7 @@
 """Per-architecture facts: where the attention and MLP modules live and how GQA is laid out.
 
 Everything that differs between Llama, Mistral and Qwen2 is stated here once; the rest of the
-package asks an adapter instead of branching on model names.
+package asks an family instead of branching on model names.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
-class ArchAdapter:
+class ModelFamily:
     """Module names and tensor ownership for one model family."""
 
-    family: str
+    name: str
     model_types: tuple[str, ...]
     attn_bias: str  # "config" (read config.attention_bias), "qkv" (q/k/v biased, o not)
     mlp_bias: str  # "config" (read config.mlp_bias) or "none"
@@ -138,16 +138,16 @@ class ArchAdapter:
         return cost
 
 
-LLAMA = ArchAdapter("llama", ("llama", "prunelight_llama"), attn_bias="config", mlp_bias="config")
-MISTRAL = ArchAdapter("mistral", ("mistral", "prunelight_mistral"), attn_bias="config", mlp_bias="none")
-QWEN2 = ArchAdapter("qwen2", ("qwen2", "prunelight_qwen2"), attn_bias="qkv", mlp_bias="none")
+LLAMA = ModelFamily("llama", ("llama", "prunelight_llama"), attn_bias="config", mlp_bias="config")
+MISTRAL = ModelFamily("mistral", ("mistral", "prunelight_mistral"), attn_bias="config", mlp_bias="none")
+QWEN2 = ModelFamily("qwen2", ("qwen2", "prunelight_qwen2"), attn_bias="qkv", mlp_bias="none")
 
-ADAPTERS: dict[str, ArchAdapter] = {a.family: a for a in (LLAMA, MISTRAL, QWEN2)}
+MODEL_FAMILIES: dict[str, ModelFamily] = {a.name: a for a in (LLAMA, MISTRAL, QWEN2)}
 
 
 def supported_model_types() -> list[str]:
     """Every config.model_type prunelight can prune."""
-    return sorted(t for a in ADAPTERS.values() for t in a.model_types)
+    return sorted(t for a in MODEL_FAMILIES.values() for t in a.model_types)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -156,13 +156,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def get_adapter(model_or_config) -> ArchAdapter:
-    """The adapter for a model or config; a clear error for unsupported architectures."""
+def get_family(model_or_config) -> ModelFamily:
+    """The family for a model or config; a clear error for unsupported architectures."""
     config = getattr(unwrap(model_or_config), "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    for adapter in ADAPTERS.values():
-        if model_type in adapter.model_types:
-            return adapter
+    for family in MODEL_FAMILIES.values():
+        if model_type in family.model_types:
+            return family
     raise ValueError(
         f"unsupported architecture model_type={model_type!r}; prunelight supports: {', '.join(supported_model_types())}"
     )
