@@ -1,4 +1,5 @@
-"""Turn on Hugging Face offline mode before the hub libraries read it, when the run uses local paths."""
+"""Process setup done by `prunelight`'s `main()` (never at import): offline mode for local runs, a fast hub check,
+DeepSpeed's import-time logging kept off stdout."""
 
 from __future__ import annotations
 
@@ -35,12 +36,8 @@ def _pretrained_from_args(argv: list[str]) -> list[str]:
     return found
 
 
-def offline_if_local(argv: list[str] | None = None) -> bool:
-    """Set HF_HUB_OFFLINE / HF_DATASETS_OFFLINE when the model is a local folder (unless the user set them)."""
-    argv = sys.argv[1:] if argv is None else argv
-    paths = _pretrained_from_args(argv)
-    if not paths or not all(Path(p).expanduser().is_dir() for p in paths):
-        return False
+def go_offline() -> None:
+    """Set HF_HUB_OFFLINE / HF_DATASETS_OFFLINE (unless the user set them) in the environment and loaded hub modules."""
     for var in OFFLINE_VARS:
         os.environ.setdefault(var, "1")
     # The hub libraries read these at import; update their constants if they are already loaded.
@@ -50,13 +47,38 @@ def offline_if_local(argv: list[str] | None = None) -> bool:
     dsc = sys.modules.get("datasets.config")
     if dsc is not None and os.environ["HF_DATASETS_OFFLINE"] == "1":
         dsc.HF_DATASETS_OFFLINE = True
+
+
+def offline_if_local(argv: list[str]) -> bool:
+    """Go offline when every model the command names is a local folder: nothing needs the network."""
+    paths = _pretrained_from_args(argv)
+    if not paths or not all(Path(p).expanduser().is_dir() for p in paths):
+        return False
+    go_offline()
     return True
 
 
-def running_as_cli() -> bool:
-    """True for the `prunelight` console script and `python -m prunelight` (also under torchrun)."""
-    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return prog == "prunelight" or sys.argv[0].endswith(os.path.join("prunelight", "__main__.py"))
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within `timeout` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def offline_if_unreachable() -> bool:
+    """Without network, go offline at once (cached files still load) instead of retrying each download for ~25 s."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or hub_reachable():
+        return False
+    go_offline()
+    return True
 
 
 def deepspeed_logs_to_stderr() -> None:
@@ -64,12 +86,15 @@ def deepspeed_logs_to_stderr() -> None:
 
     DeepSpeed's logger binds a handler to sys.stdout at import and warns there at once ("Setting
     accelerator to CPU"), which corrupts `--print_config > run.yaml`; bound to stderr it stays out of it.
+    That one warning says nothing on a CPU run and is filtered out.
     """
     import contextlib
     import importlib.util
+    import logging
 
     if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:
         return
+    logging.getLogger("DeepSpeed").addFilter(lambda r: not str(r.msg).startswith("Setting accelerator to CPU"))
     try:
         with contextlib.redirect_stdout(sys.stderr):
             import deepspeed  # noqa: F401

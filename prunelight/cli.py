@@ -1,32 +1,57 @@
-"""The `prunelight` command: LightningCLI over PruneLM and PruneDataModule (fit, validate, test)."""
+"""The `prunelight` command: LightningCLI over PruneLM and PruneDataModule, with `prune:`, `evaluation:` and
+`export:` sections (fit, validate, test), plus `prunelight evaluate`."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from prunelight import _env
+from prunelight.callbacks import ExportCallback, PruningCallback
 from prunelight.checkpoint_io import AtomicCheckpointIO
+from prunelight.console import setup_logging
 from prunelight.data import PruneDataModule
 from prunelight.distributed import uses_checkpoint_io
+from prunelight.errors import PrunelightError, one_line
+from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
+from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("prunelight")
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# Errors a user can fix from the message alone: printed as one line, no traceback (PRUNELIGHT_DEBUG=1 shows it).
+USER_ERRORS = (PrunelightError, ValueError, FileNotFoundError, OSError, FloatingPointError)
 
 
 class PrunelightCLI(LightningCLI):
-    """LightningCLI with the tokenizer linked to the model and context length checked before work starts.
+    """LightningCLI with the pruning job's sections and checks of the model and data before any work.
 
     Under DeepSpeed the cut model cannot stay in the engine that scored it: PruningCallback writes it
     and stops, and `after_fit` continues the recovery from it with a fresh Trainer and strategy.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(PruneSettings, "prune")
+        parser.add_class_arguments(RunEvaluation, "evaluation")
+        parser.add_class_arguments(ExportSettings, "export")
         parser.link_arguments("model.pretrained", "data.tokenizer")
+        # The output folder is named once: Lightning's logs and checkpoints go inside it too.
+        parser.link_arguments("export.out_dir", "trainer.default_root_dir")
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        evaluator = RunEvaluator(self._get(self.config_init, "evaluation"))
+        self.job_callbacks = [
+            PruningCallback(self._get(self.config_init, "prune"), evaluator),
+            ExportCallback(self._get(self.config_init, "export"), evaluator),
+        ]
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        return self._instantiate_trainer(trainer_config, list(self.job_callbacks))
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
         trainer = super()._instantiate_trainer(config, callbacks)
@@ -37,21 +62,26 @@ class PrunelightCLI(LightningCLI):
             strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
+    def before_fit(self) -> None:
+        """Model, data and settings checked against each other before calibration data or weights load."""
+        config = self.model.check_pretrained()
+        self.datamodule.check_sources()
+        self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
+        self.model.check_settings(self._get(self.config_init, "prune"), config)
+
     def after_fit(self) -> None:
         handoff = getattr(self.model, "handoff", None)
         if not handoff:
             return
-        log.info(
-            "continuing recovery from %s in a fresh %s",
-            handoff["pretrained"], type(self.trainer.strategy).__name__,
-        )
+        log.info("continuing recovery from %s in a fresh %s", handoff["pretrained"],
+                 type(self.trainer.strategy).__name__)
         # Same YAML, with the written pruned folder as the pretrained model; a new strategy object,
         # since the old one holds the engine (and optimizer state) of the uncut model.
         config = copy.deepcopy(self.config[self.subcommand])
         config.model.pretrained = handoff["pretrained"]
         fresh = self._parser(self.subcommand).instantiate_classes(config)
         model = fresh.model
-        model.adopt_pruned(handoff["plan"], run_report=self.model.run_report)
+        model.adopt_pruned(handoff["plan"], record=self.model.record)
         # The same callback objects carry on (PruningCallback is marked done); the config saver ran already.
         callbacks = [cb for cb in self.trainer.callbacks if not isinstance(cb, SaveConfigCallback)]
         self.model = model
@@ -68,8 +98,10 @@ def cli_main(args: list[str] | None = None, run: bool = True):
         from prunelight.evaluation.command import evaluate_main
 
         return evaluate_main(argv[1:])
-    _env.offline_if_local(argv)
+    if not _env.offline_if_local(argv):
+        _env.offline_if_unreachable()
     _env.deepspeed_logs_to_stderr()
+    quiet = {"exit_on_error": False}  # parse errors raise, and main() prints them as one line
     return PrunelightCLI(
         PruneLM,
         PruneDataModule,
@@ -77,12 +109,25 @@ def cli_main(args: list[str] | None = None, run: bool = True):
         run=run,
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
+        parser_kwargs={**quiet, **{cmd: dict(quiet) for cmd in SUBCOMMANDS}},
     )
 
 
-def main() -> int:
-    """Console-script entry: run the command and return 0 (the CLI object is not an exit status)."""
-    cli_main()
+def main(args: list[str] | None = None) -> int:
+    """Console-script entry: 0 on success; a user error is one line on stderr and exit status 2."""
+    setup_logging()
+    try:
+        cli_main(args)
+    except USER_ERRORS as err:
+        if os.environ.get("PRUNELIGHT_DEBUG"):
+            raise
+        print(f"prunelight: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except Exception as err:  # jsonargparse's ArgumentError is not a ValueError
+        if type(err).__name__ != "ArgumentError" or os.environ.get("PRUNELIGHT_DEBUG"):
+            raise
+        print(f"prunelight: error: {one_line(err)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -46,7 +46,8 @@ class TextSource:
         else:
             files = [p] if p.exists() else []
         if not files:
-            raise FileNotFoundError(f"no text files found at {self.path!r} (expected a .txt/.jsonl file, folder or glob)")
+            raise FileNotFoundError(f"{self.path!r} does not exist or holds no .txt/.jsonl files "
+                                    "(a file, folder or glob was expected)")
         return files
 
     def lines(self) -> list[str]:
@@ -63,8 +64,11 @@ class TextSource:
         if self.dataset:
             from datasets import load_dataset
 
+            from prunelight.errors import hub_download
+
             kwargs = {"data_files": {self.split: self.data_files}} if self.data_files else {}
-            ds = load_dataset(self.dataset, self.name, split=self.split, **kwargs)
+            with hub_download("dataset", self.dataset):
+                ds = load_dataset(self.dataset, self.name, split=self.split, **kwargs)
             return list(ds[self.text_field])
         raise ValueError("a text source needs either `path` (local files) or `dataset` (hub id)")
 
@@ -118,7 +122,7 @@ def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """`num_samples` random windows of `seq_len` tokens, reproducible under `seed`."""
     if ids.numel() < seq_len + 1:
-        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than seq_len={seq_len}")
+        raise ValueError(f"the calibration text has {ids.numel()} tokens, fewer than data.seq_len={seq_len} + 1")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
@@ -145,8 +149,10 @@ class PruneDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if num_samples <= 0 or seq_len <= 1:
-            raise ValueError(f"num_samples must be > 0 and seq_len > 1, got num_samples={num_samples}, seq_len={seq_len}")
+        if num_samples <= 0:
+            raise ValueError(f"data.num_samples={num_samples} is not allowed: must be an integer >= 1")
+        if seq_len <= 1:
+            raise ValueError(f"data.seq_len={seq_len} is not allowed: must be an integer >= 2")
         self.calibration, self.eval, self.train = calibration, eval, train
         self.tokenizer_path = tokenizer
         self.tokenizer = None
@@ -178,7 +184,25 @@ class PruneDataModule(L.LightningDataModule):
         """Refuse sequence lengths beyond the model's context window."""
         for name, n in (("seq_len", self.seq_len), ("eval_seq_len", self.eval_seq_len)):
             if max_positions and n > max_positions:
-                raise ValueError(f"{name}={n} exceeds the model's context (max_position_embeddings={max_positions})")
+                raise ValueError(f"data.{name}={n} exceeds the model's context (max_position_embeddings="
+                                 f"{max_positions}); use at most {max_positions}")
+
+    def sources(self) -> dict[str, TextSource]:
+        """The text sources by option name (train may be absent)."""
+        return {k: v for k, v in (("calibration", self.calibration), ("eval", self.eval), ("train", self.train))
+                if v is not None}
+
+    def check_sources(self) -> None:
+        """Local files must exist and hold text, checked before any tokenizing."""
+        for name, src in self.sources().items():
+            if not src.path:
+                continue
+            try:
+                files = src.files()
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"data.{name}.path={err}") from None
+            if not any(f.stat().st_size for f in files):
+                raise ValueError(f"data.{name}.path={src.path!r} is empty: it needs text")
 
     def _check_overlap(self) -> None:
         same = {s.describe() for s in (self.calibration, self.train) if s is not None} & {self.eval.describe()}
@@ -209,6 +233,9 @@ class PruneDataModule(L.LightningDataModule):
         tok = self._load_tokenizer()
         self._check_overlap()
         calib_ids = tokenize_source(tok, self.calibration)
+        if calib_ids.numel() <= self.seq_len:
+            raise ValueError(f"data.calibration ({self.calibration.describe()}) has {calib_ids.numel()} tokens, "
+                             f"fewer than data.seq_len={self.seq_len} + 1; give more text or a shorter seq_len")
         self.calib_blocks = sample_windows(calib_ids, self.num_samples, self.seq_len, self.seed)
         self.eval_blocks = pack_blocks(tokenize_source(tok, self.eval), self.eval_seq_len)
         if self.max_eval_blocks:

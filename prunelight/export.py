@@ -17,10 +17,6 @@ log = logging.getLogger(__name__)
 REMOTE_CODE_FILE = "modeling_prunelight.py"
 
 
-def _stock_model_type(config) -> str:
-    return config.model_type.removeprefix("prunelight_")
-
-
 def export_config(model: nn.Module):
     """The config to save: stock when every layer has the same shape (and stock validation accepts it), else pruned."""
     base = unwrap(model)
@@ -28,28 +24,25 @@ def export_config(model: nn.Module):
     shapes = family.layer_shapes(base)
     data = base.config.to_dict()
     data["head_dim"] = family.head_dim(base.config)
-    data.pop("layer_shapes", None)
-    data.pop("auto_map", None)
-    stock_type = _stock_model_type(base.config)
-    pruned_cls, model_cls = modeling.PRUNED_CLASSES[stock_type]
-    stock_cls = pruned_cls.__mro__[1]
-    for key in ("model_type", "architectures", "transformers_version"):
+    for key in ("layer_shapes", "auto_map", "model_type", "architectures", "transformers_version"):
         data.pop(key, None)
     if len(set(shapes)) == 1 and shapes[0].num_attention_heads > 0 and shapes[0].intermediate_size > 0:
         try:
-            config = stock_cls(**{**data, **shapes[0].as_dict()})
-            config.architectures = [model_cls.__mro__[2].__name__]
-            return config
+            return family.config_class(**{**data, **shapes[0].as_dict()}, architectures=[family.model_class.__name__])
         except Exception as err:  # noqa: BLE001 - huggingface_hub raises its own validation error class
             # e.g. transformers' LlamaConfig insists hidden_size % num_attention_heads == 0.
-            log.warning("uniform shapes do not pass stock %s validation (%s); saving a prunelight config", stock_cls.__name__, err)
-    config = pruned_cls(**data, layer_shapes=[s.as_dict() for s in shapes])
-    config.architectures = [model_cls.__name__]
-    config.auto_map = {
-        "AutoConfig": f"{REMOTE_CODE_FILE[:-3]}.{pruned_cls.__name__}",
-        "AutoModelForCausalLM": f"{REMOTE_CODE_FILE[:-3]}.{model_cls.__name__}",
-    }
-    return config
+            log.warning("uniform shapes do not pass stock %s validation (%s); saving a prunelight config",
+                        family.config_class.__name__, err)
+    remote = REMOTE_CODE_FILE.removesuffix(".py")
+    return family.pruned_config_class(
+        **data,
+        layer_shapes=[s.as_dict() for s in shapes],
+        architectures=[family.pruned_model_class.__name__],
+        auto_map={
+            "AutoConfig": f"{remote}.{family.pruned_config_class.__name__}",
+            "AutoModelForCausalLM": f"{remote}.{family.pruned_model_class.__name__}",
+        },
+    )
 
 
 def export_pretrained(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
@@ -60,12 +53,8 @@ def export_pretrained(model: nn.Module, out_dir: str | Path, tokenizer=None) -> 
     config = export_config(base)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        saved_config = base.config
-        base.config = config
-        try:
+        with modeling.config_swapped(base, config):
             base.save_pretrained(tmp, safe_serialization=True)
-        finally:
-            base.config = saved_config
         if getattr(config, "layer_shapes", None):
             shutil.copyfile(Path(modeling.__file__), tmp / REMOTE_CODE_FILE)
         if tokenizer is not None:

@@ -1,16 +1,36 @@
-"""Per-architecture facts: where the attention and MLP modules live and how GQA is laid out.
+"""Per-architecture facts: where the attention and MLP modules live, which tensor slices a unit owns,
+and how a layer is cut.
 
 Everything that differs between Llama, Mistral and Qwen2 is stated here once; the rest of the
-package asks an family instead of branching on model names.
+package asks a family instead of branching on model names. `ModelFamily.unit_layout` is the one
+statement of ownership: surgery, masking, importance criteria and parameter costs all derive from it.
+Hugging Face internals (head counts on attention modules, layer_idx, config fields) are written by
+`prunelight.modeling` only; the family calls it with its own module names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
+from prunelight import modeling
 from prunelight.modeling import RemovedAttention, RemovedMLP
+
+KINDS = ("attn", "mlp")
+# Which activation feeds a tensor (used by Wanda): the attention input, o_proj input, MLP input, down_proj input.
+INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
 
 
 @dataclass(frozen=True)
@@ -31,12 +51,122 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class OwnedSlice:
+    """One tensor of a layer whose rows (axis 0) or columns (axis 1) are split into equal per-unit blocks.
+
+    Unit u owns indices [u * block, (u + 1) * block) along `axis`; a bias is a tensor with one column.
+    """
+
+    kind: str  # "attn" (unit = GQA group) | "mlp" (unit = channel)
+    module: str  # projection attribute on the sub-block, e.g. "q_proj"
+    axis: int  # 0: units own row blocks (or bias entries); 1: units own column blocks
+    units: int
+    block: int  # rows (axis 0) or columns (axis 1) per unit
+    width: int  # length of the other axis (1 for a bias)
+    input: str  # which activation this tensor multiplies (see INPUTS)
+    is_bias: bool = False
+
+    @property
+    def param_name(self) -> str:
+        """Attribute of the projection holding this tensor."""
+        return "bias" if self.is_bias else "weight"
+
+    @property
+    def unit_cost(self) -> int:
+        """Parameters one unit owns in this tensor."""
+        return self.block * self.width
+
+    @property
+    def reads_unit_output(self) -> bool:
+        """True for the weight whose input columns read the unit's output (o_proj / down_proj).
+
+        Zeroing these columns silences the unit exactly; it is how masking emulates a cut.
+        """
+        return self.axis == 1 and not self.is_bias
+
+    def indices(self, units: list[int]) -> torch.Tensor:
+        """Indices along `axis` of the given units' blocks, unit after unit in the order given."""
+        idx = [u * self.block + d for u in units for d in range(self.block)]
+        return torch.tensor(idx, dtype=torch.long)
+
+    def unit_blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like the owned one as [units, everything a unit owns]."""
+        return t.reshape(self.units, -1) if self.axis == 0 else t.t().reshape(self.units, -1)
+
+
+@dataclass(frozen=True, eq=False)
+class OwnedTensor:
+    """An `OwnedSlice` bound to the live module of one layer."""
+
+    spec: OwnedSlice
+    layer: int
+    module: nn.Module
+    param: nn.Parameter
+
+    @property
+    def kind(self) -> str:
+        """The unit kind: "attn" or "mlp"."""
+        return self.spec.kind
+
+    @property
+    def axis(self) -> int:
+        """0: units own rows (or bias entries); 1: columns."""
+        return self.spec.axis
+
+    @property
+    def units(self) -> int:
+        """Number of units sharing the tensor."""
+        return self.spec.units
+
+    @property
+    def input(self) -> str:
+        """The activation the tensor multiplies (see INPUTS)."""
+        return self.spec.input
+
+    @property
+    def is_bias(self) -> bool:
+        """Whether the tensor is a bias."""
+        return self.spec.is_bias
+
+    def to_units(self, elementwise: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor shaped like `param` over each unit's share: -> [units] fp32."""
+        t = elementwise.float()
+        if self.axis == 0:
+            return t.reshape(self.units, -1).sum(1)
+        return t.reshape(t.shape[0], self.units, -1).sum((0, 2))
+
+
+def _sliced_linear(old: nn.Linear, rows: torch.Tensor | None, cols: torch.Tensor | None) -> nn.Linear:
+    """A new Linear holding old.weight[rows][:, cols] (and the matching bias rows)."""
+    weight = old.weight.detach()
+    if rows is not None:
+        weight = weight.index_select(0, rows.to(weight.device))
+    if cols is not None:
+        weight = weight.index_select(1, cols.to(weight.device))
+    new = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=old.bias is not None, device=weight.device, dtype=weight.dtype
+    )
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if old.bias is not None:
+            bias = old.bias.detach()
+            new.bias.copy_(bias.index_select(0, rows.to(bias.device)) if rows is not None else bias)
+    new.weight.requires_grad_(old.weight.requires_grad)
+    if new.bias is not None:
+        new.bias.requires_grad_(old.bias.requires_grad)
+    return new
+
+
+@dataclass(frozen=True)
 class ModelFamily:
-    """Module names and tensor ownership for one model family."""
+    """Module names, stock classes, unit ownership and layer surgery for one model family."""
 
     name: str
-    model_types: tuple[str, ...]
-    attn_bias: str  # "config" (read config.attention_bias), "qkv" (q/k/v biased, o not)
+    config_class: type[PretrainedConfig]
+    model_class: type[PreTrainedModel]
+    pruned_config_class: type[PretrainedConfig]
+    pruned_model_class: type[PreTrainedModel]
+    attn_bias: str  # "config" (read config.attention_bias), "qkv" (q/k/v biased, o not), "none"
     mlp_bias: str  # "config" (read config.mlp_bias) or "none"
     layers_path: str = "model.layers"
     attn_name: str = "self_attn"
@@ -48,6 +178,16 @@ class ModelFamily:
     gate_name: str = "gate_proj"
     up_name: str = "up_proj"
     down_name: str = "down_proj"
+
+    @property
+    def model_types(self) -> tuple[str, str]:
+        """config.model_type of the stock and the pruned (prunelight_*) classes."""
+        return self.config_class.model_type, self.pruned_config_class.model_type
+
+    @property
+    def lora_targets(self) -> list[str]:
+        """The projections LoRA adapts by default: every attention and MLP linear."""
+        return [self.q_name, self.k_name, self.v_name, self.o_name, self.gate_name, self.up_name, self.down_name]
 
     # --- navigation -------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -78,6 +218,10 @@ class ModelFamily:
     def gate_up_down(self, mlp: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         """The gate, up and down projections of a gated MLP."""
         return getattr(mlp, self.gate_name), getattr(mlp, self.up_name), getattr(mlp, self.down_name)
+
+    def sub_block(self, layer: nn.Module, kind: str) -> nn.Module | None:
+        """The attention ("attn") or MLP ("mlp") sub-block of a layer, None if it was removed."""
+        return self.attn(layer) if kind == "attn" else self.mlp(layer)
 
     # --- geometry ---------------------------------------------------------------------------
     def head_dim(self, config) -> int:
@@ -112,35 +256,147 @@ class ModelFamily:
         """(q/k/v have bias, o has bias)."""
         if self.attn_bias == "qkv":
             return True, False
-        b = bool(getattr(config, "attention_bias", False))
+        b = self.attn_bias == "config" and bool(getattr(config, "attention_bias", False))
         return b, b
 
     def has_mlp_bias(self, config) -> bool:
         """Whether gate/up/down carry biases."""
         return self.mlp_bias == "config" and bool(getattr(config, "mlp_bias", False))
 
+    # --- ownership: the one statement of which slices a unit owns ----------------------------
+    def unit_layout(self, config, shape: LayerShape) -> list[OwnedSlice]:
+        """Every tensor slice the units of a layer of `shape` own, attention first, in a fixed order.
+
+        A GQA group owns its query rows, one K and one V head's rows (plus their biases) and the
+        o_proj columns that read its query heads; with GQA query head i reads KV head i // rep
+        (transformers' repeat_kv), so group g's query heads are g*rep ... g*rep + rep - 1. An MLP
+        channel owns one gate row, one up row (plus biases) and one down_proj column. Shared biases
+        (o_proj, down_proj) belong to no unit. A removed sub-block (0 units) owns nothing.
+        """
+        hidden, hd = config.hidden_size, self.head_dim(config)
+        out: list[OwnedSlice] = []
+        n_kv = shape.num_key_value_heads
+        if n_kv:
+            rep = shape.num_attention_heads // n_kv
+            qkv_bias, _ = self.has_attn_bias(config)
+            for name, rows in ((self.q_name, rep * hd), (self.k_name, hd), (self.v_name, hd)):
+                out.append(OwnedSlice("attn", name, 0, n_kv, rows, hidden, "attn_in"))
+                if qkv_bias:
+                    out.append(OwnedSlice("attn", name, 0, n_kv, rows, 1, "attn_in", is_bias=True))
+            out.append(OwnedSlice("attn", self.o_name, 1, n_kv, rep * hd, hidden, "o_in"))
+        n_c = shape.intermediate_size
+        if n_c:
+            mlp_bias = self.has_mlp_bias(config)
+            for name in (self.gate_name, self.up_name):
+                out.append(OwnedSlice("mlp", name, 0, n_c, 1, hidden, "mlp_in"))
+                if mlp_bias:
+                    out.append(OwnedSlice("mlp", name, 0, n_c, 1, 1, "mlp_in", is_bias=True))
+            out.append(OwnedSlice("mlp", self.down_name, 1, n_c, 1, hidden, "down_in"))
+        return out
+
+    def unit_param_cost(self, config, kind: str) -> int:
+        """Parameters one unit of `kind` owns in an unpruned layer of `config`."""
+        return sum(s.unit_cost for s in self.unit_layout(config, self.base_shape(config)) if s.kind == kind)
+
     def group_param_cost(self, config) -> int:
         """Parameters owned by one GQA group: its query heads, one K and V head, and o_proj columns."""
-        hd, h = self.head_dim(config), config.hidden_size
-        shape = self.base_shape(config)
-        rep = shape.num_attention_heads // shape.num_key_value_heads
-        qkv_bias, _ = self.has_attn_bias(config)
-        cost = (rep + 2) * hd * h + rep * hd * h
-        if qkv_bias:
-            cost += (rep + 2) * hd
-        return cost
+        return self.unit_param_cost(config, "attn")
 
     def channel_param_cost(self, config) -> int:
         """Parameters owned by one MLP channel: a gate row, an up row and a down column."""
-        cost = 3 * config.hidden_size
-        if self.has_mlp_bias(config):
-            cost += 2
-        return cost
+        return self.unit_param_cost(config, "mlp")
+
+    def owned_by_layer(self, model: nn.Module) -> list[list[OwnedTensor]]:
+        """Per decoder layer, `unit_layout` bound to the layer's live projections."""
+        config = unwrap(model).config
+        out = []
+        for i, (layer, shape) in enumerate(zip(self.layers(model), self.layer_shapes(model))):
+            bound = []
+            for s in self.unit_layout(config, shape):
+                module = getattr(self.sub_block(layer, s.kind), s.module)
+                param = getattr(module, s.param_name)
+                if param is None:  # the config promised a bias the module does not have
+                    raise ValueError(f"layer {i}: {s.module} has no {s.param_name} although the config states one")
+                bound.append(OwnedTensor(s, i, module, param))
+            out.append(bound)
+        return out
+
+    def owned_tensors(self, model: nn.Module) -> list[OwnedTensor]:
+        """Every unit-owned weight and bias of the decoder layers, in layer order."""
+        return [t for layer in self.owned_by_layer(model) for t in layer]
+
+    def input_modules(self, model: nn.Module) -> list[dict[str, nn.Module]]:
+        """Per layer, the module whose forward input is each activation of INPUTS (absent when removed)."""
+        out = []
+        for layer in self.owned_by_layer(model):
+            mods: dict[str, nn.Module] = {}
+            for t in layer:
+                mods.setdefault(t.input, t.module)
+            out.append(mods)
+        return out
+
+    # --- surgery: how a layer is cut --------------------------------------------------------
+    def cut_sub_block(self, layer: nn.Module, config, shape: LayerShape, kind: str, keep: list[int]) -> None:
+        """Keep only units `keep` (in this order) of one sub-block; an empty `keep` removes it."""
+        if not keep:
+            self._remove_sub_block(layer, kind)
+            return
+        block = self.sub_block(layer, kind)
+        rows: dict[str, torch.Tensor] = {}
+        cols: dict[str, torch.Tensor] = {}
+        for s in self.unit_layout(config, shape):
+            if s.kind == kind and not s.is_bias:  # a bias follows its weight's rows
+                (rows if s.axis == 0 else cols)[s.module] = s.indices(keep)
+        for name in dict.fromkeys([*rows, *cols]):
+            setattr(block, name, _sliced_linear(getattr(block, name), rows.get(name), cols.get(name)))
+        if kind == "attn":
+            rep = shape.num_attention_heads // shape.num_key_value_heads
+            # Attention reshapes with -1 heads; only the q/kv ratio is read, and whole groups keep it.
+            modeling.set_attention_heads(block, rep * len(keep), len(keep))
+        else:
+            modeling.set_mlp_width(block, len(keep))
+
+    def _remove_sub_block(self, layer: nn.Module, kind: str) -> None:
+        if kind == "attn":
+            modeling.remove_attention(layer, self.attn_name)
+        else:
+            modeling.remove_mlp(layer, self.mlp_name)
+
+    def drop_layers(self, model: nn.Module, indices: list[int]) -> None:
+        """Delete whole decoder layers and renumber the rest so config, KV cache and masks stay consistent."""
+        layers = self.layers(model)
+        gone = set(indices)
+        kept = [i for i in range(len(layers)) if i not in gone]
+        new = nn.ModuleList([layers[i] for i in kept])
+        modeling.renumber_layers(new, self.attn_name)
+        self.set_layers(model, new)
+        modeling.keep_config_layers(unwrap(model).config, kept)
+
+    def set_layers(self, model: nn.Module, layers: nn.ModuleList) -> None:
+        """Install `layers` as the model's decoder layer list (config and layer_idx are left alone)."""
+        parent_path, _, name = self.layers_path.rpartition(".")
+        parent = unwrap(model)
+        for part in parent_path.split(".") if parent_path else []:
+            parent = getattr(parent, part)
+        setattr(parent, name, layers)
+
+    def record_shapes(self, config, shapes: list[LayerShape]) -> None:
+        """Write the per-layer shapes (and an explicit head_dim) into the config."""
+        modeling.record_layer_shapes(config, self.head_dim(config), [s.as_dict() for s in shapes])
 
 
-LLAMA = ModelFamily("llama", ("llama", "prunelight_llama"), attn_bias="config", mlp_bias="config")
-MISTRAL = ModelFamily("mistral", ("mistral", "prunelight_mistral"), attn_bias="config", mlp_bias="none")
-QWEN2 = ModelFamily("qwen2", ("qwen2", "prunelight_qwen2"), attn_bias="qkv", mlp_bias="none")
+LLAMA = ModelFamily(
+    "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
+    attn_bias="config", mlp_bias="config",
+)
+MISTRAL = ModelFamily(
+    "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
+    attn_bias="none", mlp_bias="none",
+)
+QWEN2 = ModelFamily(
+    "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,
+    attn_bias="qkv", mlp_bias="none",
+)
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {a.name: a for a in (LLAMA, MISTRAL, QWEN2)}
 

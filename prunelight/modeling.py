@@ -10,9 +10,15 @@ The config keeps the stock fields and adds `layer_shapes`: one
 The model subclass builds the stock layers, then resizes each one in `__init__`, before any
 weight is loaded, so the stock loading machinery (dtype, device maps, sharding, tied weights)
 handles the rest unchanged.
+
+The small helpers below write the transformers internals a resize touches (head counts, removed
+sub-blocks, layer_idx, config fields); `prunelight.families` calls them at surgery, so they live once.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -64,29 +70,84 @@ def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Line
     )
 
 
+def set_attention_heads(attn: nn.Module, heads: int, kv: int) -> None:
+    """Tell a resized attention module its head counts (transformers reads the q/kv ratio from it)."""
+    attn.num_key_value_groups = heads // kv
+    attn.num_heads, attn.num_key_value_heads = heads, kv
+
+
+def set_mlp_width(mlp: nn.Module, inter: int) -> None:
+    """Tell a resized MLP module its channel count."""
+    mlp.intermediate_size = inter
+
+
+def remove_attention(layer: nn.Module, name: str = "self_attn") -> None:
+    """Replace a layer's attention by `RemovedAttention`, keeping its KV-cache slot (layer_idx)."""
+    setattr(layer, name, RemovedAttention(getattr(getattr(layer, name), "layer_idx", None)))
+
+
+def remove_mlp(layer: nn.Module, name: str = "mlp") -> None:
+    """Replace a layer's MLP by `RemovedMLP`."""
+    setattr(layer, name, RemovedMLP())
+
+
+def renumber_layers(layers: nn.ModuleList, attn_name: str = "self_attn") -> None:
+    """Set each attention's layer_idx to its position after layers were dropped."""
+    for new_idx, layer in enumerate(layers):
+        attn = getattr(layer, attn_name)
+        # The KV cache is indexed by layer_idx; gaps would make DynamicCache grow past the config's layers.
+        if hasattr(attn, "layer_idx"):
+            attn.layer_idx = new_idx
+
+
+def keep_config_layers(config, kept: list[int]) -> None:
+    """Shrink the config's per-layer fields to the layers `kept` (original indices, in order)."""
+    config.num_hidden_layers = len(kept)
+    # DynamicCache(config=...) and the mask builders read layer_types per layer.
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in kept]
+
+
+def record_layer_shapes(config, head_dim: int, shapes: list[dict]) -> None:
+    """Store per-layer shapes in the config, with head_dim explicit (hidden / heads no longer gives it)."""
+    if not getattr(config, "head_dim", None):
+        config.head_dim = head_dim
+    config.layer_shapes = shapes
+
+
+@contextlib.contextmanager
+def config_swapped(model: nn.Module, config) -> Iterator[None]:
+    """Give `model` another config for the duration (save_pretrained writes the model's own config)."""
+    saved = model.config
+    model.config = config
+    try:
+        yield
+    finally:
+        model.config = saved
+
+
 def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
     """Rebuild one decoder layer's projections at `shape` (weights are loaded afterwards)."""
     heads, kv, inter = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
     attn = layer.self_attn
     if heads == 0:
-        layer.self_attn = RemovedAttention(getattr(attn, "layer_idx", None))
+        remove_attention(layer)
     elif not isinstance(attn, RemovedAttention):
         hidden = attn.q_proj.in_features
         attn.q_proj = _linear_like(attn.q_proj, hidden, heads * head_dim)
         attn.k_proj = _linear_like(attn.k_proj, hidden, kv * head_dim)
         attn.v_proj = _linear_like(attn.v_proj, hidden, kv * head_dim)
         attn.o_proj = _linear_like(attn.o_proj, heads * head_dim, hidden)
-        attn.num_key_value_groups = heads // kv
-        attn.num_heads, attn.num_key_value_heads = heads, kv
+        set_attention_heads(attn, heads, kv)
     mlp = layer.mlp
     if inter == 0:
-        layer.mlp = RemovedMLP()
+        remove_mlp(layer)
     elif not isinstance(mlp, RemovedMLP):
         hidden = mlp.gate_proj.in_features
         mlp.gate_proj = _linear_like(mlp.gate_proj, hidden, inter)
         mlp.up_proj = _linear_like(mlp.up_proj, hidden, inter)
         mlp.down_proj = _linear_like(mlp.down_proj, inter, hidden)
-        mlp.intermediate_size = inter
+        set_mlp_width(mlp, inter)
 
 
 class _PrunedMixin:
@@ -148,19 +209,15 @@ class PrunedQwen2ForCausalLM(_PrunedMixin, Qwen2ForCausalLM):
         self._resize_to_layer_shapes()
 
 
-# stock model_type -> (pruned config class, pruned model class)
-PRUNED_CLASSES = {
-    "llama": (PrunedLlamaConfig, PrunedLlamaForCausalLM),
-    "mistral": (PrunedMistralConfig, PrunedMistralForCausalLM),
-    "qwen2": (PrunedQwen2Config, PrunedQwen2ForCausalLM),
-}
+PRUNED_MODELS = (PrunedLlamaForCausalLM, PrunedMistralForCausalLM, PrunedQwen2ForCausalLM)
 
 
 def register_auto_classes() -> None:
     """Make AutoConfig / AutoModelForCausalLM resolve the pruned model types in this process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for config_cls, model_cls in PRUNED_CLASSES.values():
+    for model_cls in PRUNED_MODELS:
+        config_cls = model_cls.config_class
         try:
             AutoConfig.register(config_cls.model_type, config_cls)
             AutoModelForCausalLM.register(config_cls, model_cls)

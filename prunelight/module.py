@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 import lightning as L
 import torch
 from torch import nn
 
 from prunelight.families import get_family, unwrap
-from prunelight.distributed import hf_zero3_loading, trainable_keys
+from prunelight.errors import check_local_path, hub_download
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
-from prunelight.recovery import LoRASettings, add_lora, check_mode, merge_lora
+from prunelight.record import RunRecord
+from prunelight.settings import PruneSettings
+from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
+from prunelight.zero3 import hf_zero3_loading
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+RecoveryMode = Literal[RECOVERY_MODES]  # type: ignore[valid-type]
 CKPT_KEY = "prunelight"
 
 
@@ -29,11 +35,11 @@ class PruneLM(L.LightningModule):
         self,
         pretrained: str = "HuggingFaceTB/SmolLM2-135M",
         config: dict | None = None,
-        dtype: str = "float32",
+        dtype: DtypeName = "float32",
         attn_implementation: str | None = "sdpa",
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
-        recovery: str = "lora",
+        recovery: RecoveryMode = "lora",
         lora: LoRASettings | None = None,
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
@@ -60,28 +66,56 @@ class PruneLM(L.LightningModule):
         self.pretrained_is_pruned = False  # True when `pretrained` already holds the cut weights (DeepSpeed hand-off)
         self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
-        self.run_report: dict = {"times_s": {}}
+        self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
 
     # --- model --------------------------------------------------------------------------------
+    def load_config(self):
+        """The model's config alone (no weights): a local folder, a hub id, or the test `config` dict."""
+        from transformers import AutoConfig
+
+        if self.model_config is not None:
+            cfg = dict(self.model_config)
+            return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        check_local_path("model.pretrained", self.pretrained)
+        with hub_download("model.pretrained", self.pretrained):
+            return AutoConfig.from_pretrained(self.pretrained, trust_remote_code=self.trust_remote_code)
+
+    def check_pretrained(self):
+        """Load the config and refuse an unsupported family before any weights or data are read."""
+        config = self.load_config()
+        get_family(config)
+        return config
+
+    def check_settings(self, settings: PruneSettings, config) -> None:
+        """Pruning settings that the model's widths cannot satisfy, refused before weights load."""
+        family = get_family(config)
+        shape = family.base_shape(config)
+        for option, keep, have, what in (
+            ("prune.min_groups", settings.min_groups, shape.num_key_value_heads, "KV groups"),
+            ("prune.min_channels", settings.min_channels, shape.intermediate_size, "MLP channels"),
+        ):
+            if keep > have:
+                raise ValueError(f"{option}={keep} is not allowed: the model's layers have {have} {what}; "
+                                 f"use at most {have}")
+
     def configure_model(self) -> None:
         """Load the model (once); called by the Trainer under the strategy's init context."""
         if self.model is not None:
             return
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         t0 = time.perf_counter()
         self._hf_ds_config = hf_zero3_loading(self._trainer)  # kept alive: transformers holds a weakref
         kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
+        config = self.check_pretrained()  # unsupported architectures fail here, before the weights load
         if self.model_config is not None:
-            cfg = dict(self.model_config)
-            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.pretrained, **kwargs)
-        get_family(model)  # unsupported architectures fail here, before any work
+            with hub_download("model.pretrained", self.pretrained):
+                model = AutoModelForCausalLM.from_pretrained(self.pretrained, config=config, **kwargs)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -89,7 +123,7 @@ class PruneLM(L.LightningModule):
         self.model = model
         if self.pretrained_is_pruned:
             self.start_recovery()  # the cut already happened; the optimizer must see the recovery parameters
-        self.run_report["times_s"]["load"] = time.perf_counter() - t0
+        self.record.times_s["load"] = time.perf_counter() - t0
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and hasattr(dm, "check_context"):
             dm.check_context(self.max_positions())
@@ -99,7 +133,9 @@ class PruneLM(L.LightningModule):
         if self.tokenizer is None and self.model_config is None:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=self.trust_remote_code)
+            with hub_download("model.pretrained", self.pretrained):
+                self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained,
+                                                               trust_remote_code=self.trust_remote_code)
         return self.tokenizer
 
     @property
@@ -143,9 +179,7 @@ class PruneLM(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
-        if self.recovery == "none" and self.plan is not None:
-            return None  # prune-only run: nothing to train; the PruningCallback stops the loop
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(
@@ -177,18 +211,19 @@ class PruneLM(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def adopt_pruned(self, plan: dict, run_report: dict) -> None:
+    def adopt_pruned(self, plan: dict, record: RunRecord) -> None:
         """Mark `pretrained` as the already-cut model of `plan` (recovery continuing in a fresh engine)."""
         if self.model is not None:
             raise RuntimeError("adopt_pruned must be called before the model is loaded")
         self.plan = PrunePlan.from_dict(plan)
         self.pretrained_is_pruned = True
-        self.run_report = run_report
+        self.record = record
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _frozen_weights_reproducible(self) -> bool:
         """True when the frozen base weights equal `pretrained` cut by the plan, so checkpoints may omit them."""
-        cut_before_training = self.pretrained_is_pruned or self.run_report.get("calibration", {}).get("prune_step") == 0
+        cal = self.record.calibration
+        cut_before_training = self.pretrained_is_pruned or (cal is not None and cal.prune_step == 0)
         return self.lora_active and self.model_config is None and cut_before_training
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -203,7 +238,7 @@ class PruneLM(L.LightningModule):
             "pretrained_is_pruned": self.pretrained_is_pruned,
             "lora": self.lora.as_dict() if self.lora_active else None,
             "weights": weights,
-            "report": self.run_report,
+            "report": self.record.to_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -219,8 +254,14 @@ class PruneLM(L.LightningModule):
             self.lora = LoRASettings(**state["lora"])
             self.recovery = "lora"
             self.start_recovery()
-        self.run_report = state.get("report") or self.run_report
+        if state.get("report"):
+            self.record = RunRecord.from_dict(state["report"])
         if state.get("weights") == "trainable" and "state_dict" in checkpoint:
             # The omitted frozen weights are the ones just rebuilt from `pretrained` + plan.
             own = self.state_dict()
             checkpoint["state_dict"] = {**own, **checkpoint["state_dict"]}
+
+
+def trainable_keys(module: nn.Module) -> set[str]:
+    """State-dict keys of the parameters that train (LoRA adapters), as `module.state_dict()` names them."""
+    return {name for name, p in module.named_parameters() if p.requires_grad}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from torch import nn
+
+from prunelight.families import get_family
 
 RECOVERY_MODES = ("lora", "full", "none")
 
@@ -16,9 +18,7 @@ class LoRASettings:
     r: int = 8
     alpha: int = 16
     dropout: float = 0.05
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] | None = None  # None: the model family's projections (ModelFamily.lora_targets)
 
     def as_dict(self) -> dict:
         """JSON-able form (stored in checkpoints to re-wrap on resume)."""
@@ -37,11 +37,14 @@ def add_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
 
     if settings.r <= 0:
         raise ValueError(f"LoRA rank r must be positive, got {settings.r}")
+    targets = settings.target_modules
+    if targets is None:
+        targets = get_family(model).lora_targets
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        target_modules=list(targets),
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)

@@ -108,3 +108,24 @@ def write_tiny_corpus(folder, lines: int = 400, seed: int = 0):
         (folder / f"{split}.txt").write_text("\n".join(rows) + "\n")
         out[split] = folder / f"{split}.txt"
     return out
+
+
+LAYER_RATE_OPTIONS = ("rate_strategy", "alpha", "importance_scale", "freeze_top_n", "rate_range")
+
+
+def settings_of(ratio: float = 0.2, **options):
+    """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`)."""
+    from prunelight.settings import LayerRates, PruneSettings
+
+    rates = {k: options.pop(k) for k in LAYER_RATE_OPTIONS if k in options}
+    return PruneSettings(ratio=ratio, layerwise=LayerRates(**rates), **options)
+
+
+def allocate_flat(model, scores, ratio: float, allocation: str = "global", layer_scores=None, block_scores=None,
+                  attn_share=None, **options):
+    """`allocate` on `model` with flat keyword options, as the allocation tests state them."""
+    from prunelight.allocation import allocate, precheck
+
+    settings = settings_of(ratio, allocation=allocation, **options)
+    return allocate(precheck(model, settings), scores, settings, layer_scores=layer_scores,
+                    block_scores=block_scores, attn_share=attn_share)

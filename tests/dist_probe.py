@@ -21,7 +21,7 @@ class RankProbe(L.Callback):
         self.after_cut: dict | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        # Runs after PruningCallback's hook (callbacks are called in list order).
+        # The cut happened in PruningCallback.on_train_start (prune_step 0), before the first batch.
         if self.after_cut is None and pl_module.plan is not None:
             # The cut base weights, named as in the unwrapped model (LoRA is already attached here).
             state = pl_module.base_model.state_dict()
@@ -37,7 +37,7 @@ class RankProbe(L.Callback):
                 "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__,
                 "plan": pl_module.plan.to_dict(),
-                "unit_scores": pl_module.run_report.get("unit_scores"),
+                "unit_scores": pl_module.record.unit_scores,
                 "after_cut": self.after_cut,
                 "final": final,
                 "steps": trainer.global_step,

@@ -1,4 +1,4 @@
-"""The command line: every shipped YAML parses, and a fast_dev_run smoke test really cuts the model."""
+"""The command line: the `prune:` section, shipped YAML, a fast_dev_run smoke test, and one-line errors."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from prunelight.cli import cli_main
 from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml"))
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
+METHODS = sorted((ROOT / "configs" / "methods").glob("*.yaml"))
 PRESETS = sorted((ROOT / "callbacks").glob("*.yaml"))
 
 
@@ -30,67 +32,96 @@ def test_shipped_configs_parse(config, capsys):
         assert printed["models"] and printed["evaluation"]["tasks"]
     else:
         assert printed["model"]["pretrained"] and printed["trainer"]
+        assert printed["prune"]["ratio"] == 0.2 and printed["export"]["out_dir"].startswith("runs/")
+        # The output folder is named once: Lightning's own files go there too.
+        assert printed["trainer"].get("default_root_dir") in (None, printed["export"]["out_dir"])
 
 
-def test_callback_presets_compose(capsys):
-    base = ROOT / "configs" / "reference.yaml"
-    args = ["fit", "--config", str(base)]
+def test_help_lists_the_prune_section_with_allowed_values(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "--prune.ratio" in out
+    assert "--prune.criterion {taylor,taylor_weight,fisher" in out
+    assert "--prune.allocation {global,uniform,layerwise,blockwise,depth}" in out
+    assert "--prune.attn_mlp_split" in out and "--export.out_dir" in out and "--evaluation.suite" in out
+
+
+def test_prune_options_on_the_command_line(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(ROOT / "configs" / "reference.yaml"), "--prune.ratio", "0.3",
+                  "--prune.criterion", "fisher", "--prune.layerwise.alpha", "2", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["prune"]["ratio"] == 0.3 and printed["prune"]["criterion"] == "fisher"
+    assert printed["prune"]["layerwise"]["alpha"] == 2.0
+    assert "callbacks" not in printed["trainer"] or not any(
+        "Pruning" in str(c) for c in printed["trainer"]["callbacks"] or [])
+
+
+def test_presets_compose_over_a_base_config(capsys):
+    args = ["fit", "--config", str(ROOT / "configs" / "reference.yaml")]
     for preset in PRESETS:
         args += ["--config", str(preset)]
     with pytest.raises(SystemExit):
         cli_main(args + ["--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     names = [c["class_path"].rsplit(".", 1)[-1] for c in printed["trainer"]["callbacks"]]
-    # reference.yaml has Pruning + Export; the presets append Pruning, Export and ModelCheckpoint
-    assert names.count("PruningCallback") == 2 and "ModelCheckpoint" in names
+    assert names == ["ModelCheckpoint"]  # the pruning job's callbacks are not list entries any more
+    assert printed["export"]["out_dir"] == "runs/prunelight"  # callbacks/export.yaml overrides reference.yaml
     stems = [p.stem for p in PRESETS]
     assert stems.index("lora") > stems.index("full")
     assert printed["model"]["recovery"] == "lora", "lora.yaml comes after full.yaml, so its value wins"
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if "PruningCallback" in c.read_text()],
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_pruning_options_can_be_set_on_the_command_line(config, capsys):
-    """`--trainer.callbacks.X` sets X on the last callback, so every shipped config lists PruningCallback last."""
-    with pytest.raises(SystemExit):
-        cli_main(["fit", "--config", str(config), "--trainer.callbacks.ratio=0.35",
-                  "--trainer.callbacks.criterion=wanda", "--print_config"])
-    callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
-    pruning = [c for c in callbacks if c["class_path"].endswith("PruningCallback")]
-    assert len(pruning) == 1 and callbacks[-1] is pruning[0]
-    assert pruning[0]["init_args"]["ratio"] == 0.35 and pruning[0]["init_args"]["criterion"] == "wanda"
-
-
-def test_fast_dev_run_smoke_cuts_the_model(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
-    files = write_tiny_corpus(tmp_path / "data")
-    out = tmp_path / "runs" / "reference"  # reference.yaml's out_dir, relative to the working directory
-    cli = cli_main([
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory):
+    """A tiny checkpoint and corpus, and reference.yaml's command pointed at them."""
+    tmp = tmp_path_factory.mktemp("job")
+    ckpt = make_tiny_checkpoint(tmp / "tiny", "llama")
+    files = write_tiny_corpus(tmp / "data")
+    args = [
         "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
         f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
         f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
         f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-    ])
-    module = cli.model
-    assert module.plan is not None, "surgery must run under fast_dev_run"
-    report = json.loads((out / "report.json").read_text())
+        "--trainer.limit_val_batches=0",
+    ]
+    return tmp, ckpt, files, args
+
+
+def test_fast_dev_run_smoke_cuts_the_model_and_spares_the_real_output(tiny_job, tmp_path, monkeypatch):
+    _, _, _, args = tiny_job
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "runs" / "reference"  # reference.yaml's out_dir, relative to the working directory
+    (out / "model").mkdir(parents=True)
+    (out / "report.json").write_text('{"real": true}')
+    cli = cli_main(args + ["--trainer.fast_dev_run=true", "--trainer.enable_progress_bar=false"])
+    assert cli.model.plan is not None, "surgery must run under fast_dev_run"
+    smoke = out / "fast_dev_run"
+    report = json.loads((smoke / "report.json").read_text())
     assert report["params_after"] < report["params_before"]
     assert report["plan"]["removed_fraction_total"] >= 0.2
-    assert (out / "model" / "config.json").exists()
+    assert (smoke / "model" / "config.json").exists()
+    assert json.loads((out / "report.json").read_text()) == {"real": True}, "a smoke test overwrote a real run"
 
 
-def test_seq_len_beyond_context_is_refused(tmp_path, monkeypatch):
+def test_prune_only_run_prints_the_summary_and_logs_metrics(tiny_job, tmp_path, monkeypatch, caplog):
+    _, _, _, args = tiny_job
     monkeypatch.chdir(tmp_path)
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama", max_position_embeddings=64)
-    files = write_tiny_corpus(tmp_path / "data")
-    with pytest.raises(ValueError, match=r"seq_len=128 exceeds the model's context \(max_position_embeddings=64\)"):
-        cli_main([
-            "fit", "--config", str(ROOT / "configs" / "reference.yaml"), f"--model.pretrained={ckpt}",
-            f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-            f"--data.train.path={files['train']}", "--trainer.fast_dev_run=true", "--trainer.logger=false",
-        ])
+    caplog.set_level("INFO", logger="prunelight")
+    cli_main(args + ["--model.recovery=none", "--prune.ratio=0.3", "--prune.criterion=fisher",
+                     "--trainer.enable_progress_bar=false", "--export.out_dir=runs/p"])
+    text = caplog.text
+    assert "cut with fisher / global: parameters" in text and "budget error" in text
+    assert "KV groups per layer" in text and "MLP channels per layer" in text
+    assert "perplexity: dense" in text and "-> pruned" in text
+    assert "report written to runs/p/report.md" in text
+    report = json.loads((tmp_path / "runs" / "p" / "report.json").read_text())
+    assert report["plan"]["removed_fraction_total"] == pytest.approx(0.3, abs=0.02)
+    assert report["calibration"]["settings"]["criterion"] == "fisher"
+    metrics = next((tmp_path / "runs" / "p" / "lightning_logs").rglob("metrics.csv")).read_text()
+    for key in ("prune/params_after", "prune/removed_fraction", "ppl/dense", "ppl/pruned", "ppl/recovered"):
+        assert key in metrics, key
 
 
 def _console_script() -> Path:
@@ -100,22 +131,88 @@ def _console_script() -> Path:
     return script
 
 
-def test_console_script_exits_zero_after_a_run_and_nonzero_on_bad_input(tmp_path):
-    """`prunelight fit ... && next-step` must work: success is exit status 0, a refused input is not."""
-    script = _console_script()
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
-    files = write_tiny_corpus(tmp_path / "data")
-    args = [
-        str(script), "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.fast_dev_run=true", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ok = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+def _run(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    full_env.pop("PRUNELIGHT_DEBUG", None)
+    return subprocess.run([str(_console_script()), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_console_script_exits_zero_after_a_run(tiny_job, tmp_path):
+    """`prunelight fit ... && next-step` must work: success is exit status 0."""
+    _, _, _, args = tiny_job
+    ok = _run(args + ["--trainer.fast_dev_run=true", "--trainer.enable_progress_bar=false"], tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert (tmp_path / "runs" / "reference" / "report.json").exists()
-    bad = subprocess.run(args + ["--trainer.callbacks.ratio=1.5"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert bad.returncode != 0 and "prune ratio must be a fraction of parameters in (0, 1), got 1.5" in bad.stderr
+    assert (tmp_path / "runs" / "reference" / "fast_dev_run" / "report.json").exists()
+
+
+def _bad_inputs(tmp: Path, ckpt: Path, files: dict) -> dict[str, tuple[list[str], str, dict]]:
+    """name -> (extra arguments, expected text of the one error line, extra environment)."""
+    empty = tmp / "empty.txt"
+    empty.write_text("")
+    gpt2 = tmp / "gpt2"
+    gpt2.mkdir(exist_ok=True)
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                  "vocab_size": 64}))
+    return {
+        "ratio above 1": (["--prune.ratio=1.5"], "prune.ratio=1.5 is not allowed: must be a number in (0.0, 1.0)", {}),
+        "negative ratio": (["--prune.ratio=-0.2"], "prune.ratio=-0.2 is not allowed", {}),
+        "NaN ratio": (["--prune.ratio=nan"], "prune.ratio='nan' is not allowed", {}),
+        "unknown criterion": (["--prune.criterion=taylorr"], "prune.criterion='taylorr' is not allowed: use one of "
+                              "taylor,", {}),
+        "unknown allocation": (["--prune.allocation=everywhere"], "prune.allocation='everywhere' is not allowed", {}),
+        "split 3:": (["--prune.attn_mlp_split=3:"], "prune.attn_mlp_split='3:' is not allowed: use 'x:y'", {}),
+        "split with depth": (["--prune.allocation=depth", "--prune.attn_mlp_split=1:1"],
+                             "prune.attn_mlp_split='1:1' is not allowed: a split applies to allocation global or "
+                             "layerwise", {}),
+        "negative min_groups": (["--prune.min_groups=-1"], "prune.min_groups=-1 is not allowed", {}),
+        "min_channels above the width": (["--prune.min_channels=1000"], "prune.min_channels=1000 is not allowed: the "
+                                         "model's layers have 96 MLP channels", {}),
+        "zero alignment": (["--prune.align_channels=0"], "prune.align_channels=0 is not allowed", {}),
+        "bad rate range": (["--prune.layerwise.rate_range=[0.5,0.2]"], "prune.layerwise.rate_range=[0.5, 0.2] is "
+                           "not allowed", {}),
+        "bad criterion_args": (["--prune.criterion_args={p: 3}"], "prune.criterion_args={'p': 3} is not allowed", {}),
+        "more units than exist": (["--prune.ratio=0.95"], "prune.ratio=0.95 asks to remove", {}),
+        "prune_step past max_steps": (["--prune.prune_step=500"], "prune.prune_step=500 is not allowed: the run stops "
+                                      "at trainer.max_steps=200", {}),
+        "seq_len beyond the context": (["--data.seq_len=100000"], "data.seq_len=100000 exceeds the model's context "
+                                       "(max_position_embeddings=256)", {}),
+        "empty calibration file": ([f"--data.calibration.path={empty}"], f"data.calibration.path='{empty}' is empty",
+                                   {}),
+        "missing calibration file": ([f"--data.calibration.path={tmp / 'nope.txt'}"],
+                                     f"data.calibration.path='{tmp / 'nope.txt'}' does not exist", {}),
+        "unknown recovery": (["--model.recovery=qlora"], "model.recovery='qlora' is not allowed: use one of lora, "
+                             "full, none", {}),
+        "unsupported architecture": ([f"--model.pretrained={gpt2}"], "unsupported architecture model_type='gpt2'", {}),
+        "missing local model": (["--model.pretrained=./models/nope"], "model.pretrained='./models/nope' does not "
+                                "exist", {}),
+        "unreachable hub": (["--model.pretrained=no-such-org/no-such-model"], "model.pretrained='no-such-org/"
+                            "no-such-model' could not be downloaded from the Hugging Face hub", {"HF_HUB_OFFLINE": "1"}),
+        "unknown option": (["--prune.ratoi=0.3"], "prune.ratoi", {}),
+    }
+
+
+BAD_NAMES = [  # the keys of _bad_inputs, listed here for test ids
+    "ratio above 1", "negative ratio", "NaN ratio", "unknown criterion", "unknown allocation", "split 3:",
+    "split with depth", "negative min_groups", "min_channels above the width", "zero alignment", "bad rate range",
+    "bad criterion_args", "more units than exist", "prune_step past max_steps", "seq_len beyond the context",
+    "empty calibration file", "missing calibration file", "unknown recovery", "unsupported architecture",
+    "missing local model", "unreachable hub", "unknown option",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_bad_input_exits_with_one_line(tiny_job, tmp_path, name):
+    """Each refused input: non-zero exit within seconds, one `prunelight: error:` line naming option and value."""
+    tmp, ckpt, files, args = tiny_job
+    extra, expected, env = _bad_inputs(tmp, ckpt, files)[name]
+    t0 = time.perf_counter()
+    proc = _run(args + extra, tmp_path, **env)
+    elapsed = time.perf_counter() - t0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("prunelight: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert set(_bad_inputs(tmp, ckpt, files)) == set(BAD_NAMES)
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Does not validate against any of the Union" not in proc.stderr
+    assert not (tmp_path / "runs" / "reference" / "model").exists(), "nothing may be written on bad input"
+    assert elapsed < 120, f"took {elapsed:.0f} s to refuse"

@@ -15,19 +15,15 @@ import pytest
 import torch
 import yaml
 
-from prunelight import distributed
-from prunelight.distributed import (
-    deepspeed_config,
-    gathered_merged_copy,
-    gathered_pruned_copy,
-    gathered_scores,
-    gathered_state_dict,
-    make_plan_sharded,
-)
+from prunelight import distributed, zero3
+from prunelight.families import get_family
+from prunelight.deepspeed_config import deepspeed_config
+from prunelight.zero3 import gathered_merged_copy, gathered_pruned_copy, gathered_scores, gathered_state_dict
 from prunelight.importance import build_criterion
 from prunelight.pipeline import make_plan
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_checkpoint, tiny_model, write_tiny_corpus
+from prunelight.settings import PruneSettings
+from prunelight.testing import make_tiny_checkpoint, settings_of, tiny_model, write_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = "DeepSpeed strategy needs CUDA GPUs; no GPU on this machine"
@@ -74,9 +70,9 @@ def test_zero3_tells_transformers_to_load_partitioned():
     from lightning.pytorch.strategies import DeepSpeedStrategy
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    assert distributed.hf_zero3_loading(L.Trainer(accelerator="cpu", devices=1, logger=False)) is None
+    assert zero3.hf_zero3_loading(L.Trainer(accelerator="cpu", devices=1, logger=False)) is None
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, strategy=DeepSpeedStrategy(stage=3))
-    handle = distributed.hf_zero3_loading(trainer)
+    handle = zero3.hf_zero3_loading(trainer)
     assert handle is not None and is_deepspeed_zero3_enabled()
     del handle
     assert not is_deepspeed_zero3_enabled()
@@ -110,15 +106,15 @@ def test_gathered_scores_equal_direct_magnitude(tiny):
         for a, b in zip(direct[kind], layerwise[kind]):
             torch.testing.assert_close(a, b)
     # The one-layer view is undone.
-    assert len(distributed.get_family(tiny).layers(tiny)) == tiny.config.num_hidden_layers
+    assert len(get_family(tiny).layers(tiny)) == tiny.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("criterion", ["taylor", "magnitude"])
 def test_plan_under_sharding_equals_plain_plan(criterion):
     model = tiny_model("llama")
     batches = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    plain, _ = make_plan(model, batches, 0.3, criterion=criterion)
-    sharded, _ = make_plan_sharded(model, batches, 0.3, criterion=criterion)
+    plain, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion))
+    sharded, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion), sharded=True)
     assert not plain.is_identity()
     assert sharded.to_dict()["layers"] == plain.to_dict()["layers"]
     assert sharded.meta["params_removed"] == plain.meta["params_removed"]
@@ -127,16 +123,16 @@ def test_plan_under_sharding_equals_plain_plan(criterion):
 def test_sharded_plan_refuses_options_that_write_weights():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="ZeRO-3.*attn_mlp_split=auto"):
-        make_plan_sharded(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "auto"})
-    plain, _ = make_plan(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "1:3"})
-    fixed, _ = make_plan_sharded(model, [], 0.3, criterion="magnitude", allocation_args={"attn_mlp_split": "1:3"})
+        make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="auto"), sharded=True)
+    plain, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"))
+    fixed, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"), sharded=True)
     assert fixed.to_dict()["layers"] == plain.to_dict()["layers"]
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_gathered_pruned_copy_equals_cut_model(family, tie):
     model = tiny_model(family, tie_word_embeddings=tie)
-    plan, _ = make_plan(model, [], 0.3, criterion="magnitude")
+    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude"))
     assert set(gathered_state_dict(model)) == set(model.state_dict())
     cut = gathered_pruned_copy(model, plan)
     ref = copy.deepcopy(model)
@@ -182,14 +178,13 @@ def _job(tmp: Path, max_steps: int, callbacks_extra: list | None = None, checkpo
                  "max_eval_blocks": 4},
         "trainer": {
             "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "logger": False,
-            "default_root_dir": str(tmp / "run"), "enable_checkpointing": checkpointing,
+            "enable_checkpointing": checkpointing,
             "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
             "limit_val_batches": 0,
-            "callbacks": [
-                {"class_path": "prunelight.callbacks.PruningCallback", "init_args": {"ratio": 0.3}},
-                {"class_path": "prunelight.callbacks.ExportCallback", "init_args": {"out_dir": str(tmp / "out")}},
-            ] + (callbacks_extra or []),
+            "callbacks": callbacks_extra or [],
         },
+        "prune": {"ratio": 0.3},
+        "export": {"out_dir": str(tmp / "out")},
     }
     path = tmp / f"job{max_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -205,7 +200,7 @@ def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch, recovery):
     monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)
     monkeypatch.chdir(tmp_path)
     cli = cli_main(["fit", "--config", str(_job(tmp_path, max_steps=2)), "--model.recovery", recovery])
-    pruned_dir = tmp_path / "run" / "pruned"
+    pruned_dir = tmp_path / "out" / "pruned"
     assert (pruned_dir / "config.json").exists()
     # The second Trainer trained the model loaded from the written pruned folder (prune-only: no steps).
     assert cli.trainer.global_step == (2 if recovery == "lora" else 0)
@@ -267,8 +262,7 @@ def test_full_recovery_checkpoint_keeps_all_weights(tmp_path, monkeypatch):
 
     lm = PruneLM(pretrained=str(make_tiny_checkpoint(tmp_path / "m")), recovery="full")
     lm.configure_model()
-    lm.run_report["calibration"] = {"prune_step": 0}
-    plan, _ = make_plan(lm.base_model, [], 0.3, criterion="magnitude")
+    plan, _ = make_plan(lm.base_model, [], PruneSettings(ratio=0.3, criterion="magnitude"))
     lm.apply_plan(plan)
     lm.start_recovery()
     ckpt = {"state_dict": lm.state_dict()}

@@ -13,7 +13,7 @@ from prunelight.export import export_pretrained
 from prunelight.pipeline import make_plan
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.surgery import apply_plan, mask_units
-from prunelight.testing import tiny_model
+from prunelight.testing import settings_of, tiny_model
 
 PROMPT = torch.tensor([[5, 6, 7, 9, 11]])
 
@@ -105,7 +105,7 @@ def test_depth_allocation_drops_the_least_influential_layer():
         model.model.layers[2].self_attn.o_proj.weight.zero_()
         model.model.layers[2].mlp.down_proj.weight.zero_()
     batches = [torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))]
-    plan, _ = make_plan(model, batches, 0.22, allocation="depth", allocation_args={"fill_width": False})
+    plan, _ = make_plan(model, batches, settings_of(0.22, allocation="depth", fill_width=False))
     assert plan.drop_layers == [2]
     assert plan.meta["layer_importance"]["block_influence"][2] < 1e-6
     before = sum(p.numel() for p in model.parameters())
@@ -127,20 +127,21 @@ def test_depth_preset_runs_end_to_end(tmp_path, monkeypatch):
 
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=4)
     text = write_tiny_corpus(tmp_path / "text")
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/methods/depth.yaml").read_text())
-    cfg["model"]["pretrained"] = str(ckpt)
-    cfg["data"].update(calibration={"path": str(text["valid"])}, eval={"path": str(text["test"])},
-                       train={"path": str(text["train"])}, num_samples=8, seq_len=32, batch_size=4,
-                       calibration_batch_size=4, eval_batch_size=8, max_eval_blocks=8)
-    cfg["trainer"].update(max_steps=2, val_check_interval=None, limit_val_batches=0, log_every_n_steps=1,
-                          logger=False, default_root_dir=str(tmp_path / "run"))
-    by_name = {cb["class_path"].rsplit(".", 1)[-1]: cb for cb in cfg["trainer"]["callbacks"]}
-    pruning, export = by_name["PruningCallback"], by_name["ExportCallback"]
-    pruning["init_args"].update(ratio=0.3)
-    export["init_args"]["out_dir"] = str(tmp_path / "out")
+    cfg = {
+        "model": {"pretrained": str(ckpt), "recovery": "lora"},
+        "data": {"calibration": {"path": str(text["valid"])}, "eval": {"path": str(text["test"])},
+                 "train": {"path": str(text["train"])}, "num_samples": 8, "seq_len": 32, "batch_size": 4,
+                 "calibration_batch_size": 4, "eval_batch_size": 8, "max_eval_blocks": 8},
+        "trainer": {"accelerator": "cpu", "max_steps": 2, "val_check_interval": None, "limit_val_batches": 0,
+                    "log_every_n_steps": 1, "logger": False},
+        "prune": {"ratio": 0.3},
+        "export": {"out_dir": str(tmp_path / "out")},
+    }
+    base, preset = Path(__file__).resolve().parents[1] / "configs/reference.yaml", "configs/methods/depth.yaml"
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.setattr("sys.argv", ["prunelight"])
-    cli = cli_main(["fit", "--config", str(tmp_path / "cfg.yaml")])
+    repo = Path(__file__).resolve().parents[1]
+    cli = cli_main(["fit", "--config", str(base), "--config", str(repo / preset), "--config", str(tmp_path / "cfg.yaml")])
 
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["plan"]["layers_dropped"], "depth preset dropped no layer"
@@ -149,7 +150,7 @@ def test_depth_preset_runs_end_to_end(tmp_path, monkeypatch):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
     assert loaded.config.num_hidden_layers == 4 - len(report["plan"]["layers_dropped"])
 
-    saved = next((tmp_path / "run").rglob("*.ckpt"))
+    saved = next((tmp_path / "out").rglob("*.ckpt"))
     state = torch.load(saved, map_location="cpu", weights_only=False)
     fresh = PruneLM(pretrained=str(ckpt), recovery="lora")
     fresh.on_load_checkpoint(state)

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from prunelight.pipeline import make_plan
+from prunelight.settings import PruneSettings
 from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,17 +54,14 @@ def _job(tmp: Path) -> Path:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [
-                {"class_path": "prunelight.callbacks.PruningCallback",
-                 "init_args": {"ratio": RATIO, "evaluate": False}},
-                {"class_path": "dist_probe.RankProbe", "init_args": {"out_dir": str(tmp)}},
-                # evaluation runs on rank 0 only while rank 1 waits at a barrier: this must not hang
-                {"class_path": "prunelight.callbacks.ExportCallback",
-                 "init_args": {"out_dir": str(tmp / "run"), "figures": False, "evaluation": {
-                     "ppl_datasets": {"test": {"path": str(text["test"])}}, "seq_lens": [16],
-                     "max_windows": 4, "zeroshot": False, "efficiency": False, "similarity_batches": 1}}},
-            ],
+            "callbacks": [{"class_path": "dist_probe.RankProbe", "init_args": {"out_dir": str(tmp)}}],
         },
+        "prune": {"ratio": RATIO},
+        # evaluation runs on rank 0 only while rank 1 waits at a barrier: this must not hang
+        "evaluation": {"data_eval": False, "suite": {
+            "ppl_datasets": {"test": {"path": str(text["test"])}}, "seq_lens": [16],
+            "max_windows": 4, "zeroshot": False, "efficiency": False, "similarity_batches": 1}},
+        "export": {"out_dir": str(tmp / "run"), "figures": False},
     }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -99,7 +97,7 @@ def one_process(ddp_run):
     dm.setup("fit")
     lm = PruneLM(pretrained=str(tmp / "model"), dtype="float32")
     lm.configure_model()
-    plan, scores = make_plan(lm.base_model, dm.calibration_batches(0, 1), RATIO)
+    plan, scores = make_plan(lm.base_model, dm.calibration_batches(0, 1), PruneSettings(ratio=RATIO))
     lm.apply_plan(plan)
     return plan, scores, lm.base_model.state_dict()
 

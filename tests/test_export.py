@@ -10,12 +10,11 @@ import textwrap
 import pytest
 import torch
 
-from prunelight.allocation import allocate
 from prunelight.export import export_pretrained
 from prunelight.importance import build_criterion
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.surgery import apply_plan
-from prunelight.testing import FAMILIES, tiny_model
+from prunelight.testing import FAMILIES, allocate_flat, tiny_model
 
 IDS = [[5, 9, 17, 33, 2, 64, 100, 7]]
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
@@ -48,7 +47,7 @@ def exported(tmp_path_factory):
     folders, refs = {}, {}
     for fam in FAMILIES:
         model = tiny_model(fam)
-        plan = allocate(model, build_criterion("random", seed=1).scores(model), 0.25, "global")
+        plan = allocate_flat(model, build_criterion("random", seed=1).scores(model), 0.25, "global")
         shapes = apply_plan(model, plan)
         assert len(set(shapes)) > 1, "global plan should give per-layer widths for this test"
         folders[fam] = export_pretrained(model, root / fam)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import lightning as L
 import pytest
 import torch
 
-from prunelight.callbacks import ExportCallback, PruningCallback
+from prunelight.callbacks import PruningCallback, job_callbacks
 from prunelight.data import PruneDataModule, TextSource
 from prunelight.module import PruneLM
 from prunelight.recovery import LoRASettings, add_lora, merge_lora
+from prunelight.settings import ExportSettings, PruneSettings
 from prunelight.testing import tiny_config, tiny_model, tiny_tokenizer, write_tiny_corpus
 
 
@@ -57,11 +59,12 @@ def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
     torch.manual_seed(0)
     module, dm = _module(), _dm(tmp_path)
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-    prune_cb = PruningCallback(ratio=0.25, criterion="taylor", prune_step=1)
-    trainer = _trainer(tmp_path, 4, [prune_cb, ckpt_cb, ExportCallback(out_dir=str(tmp_path / "run"))])
+    prune_cb, export_cb = job_callbacks(PruneSettings(ratio=0.25, criterion="taylor", prune_step=1),
+                                        ExportSettings(out_dir=str(tmp_path / "run")))
+    trainer = _trainer(tmp_path, 4, [prune_cb, ckpt_cb, export_cb])
     trainer.fit(module, dm)
 
-    report = module.run_report
+    report = module.record.to_dict()
     assert prune_cb.pruned and report["calibration"]["prune_step"] == 1
     assert report["params_after"] < report["params_before"]
     assert {"dense", "pruned", "recovered"} <= set(report["ppl"])
@@ -73,19 +76,19 @@ def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
     state = torch.load(last, weights_only=False)
     assert state["prunelight"]["plan"] is not None and state["prunelight"]["lora"] is not None
     resumed, dm2 = _module(), _dm(tmp_path / "b")
-    prune_cb2 = PruningCallback(ratio=0.25, criterion="taylor", prune_step=1)
+    prune_cb2 = PruningCallback(PruneSettings(ratio=0.25, criterion="taylor", prune_step=1))
     trainer2 = _trainer(tmp_path / "b", 6, [prune_cb2])
     trainer2.fit(resumed, dm2, ckpt_path=last)
     assert trainer2.global_step == 6
     assert resumed.plan.to_dict() == module.plan.to_dict(), "the plan must come back from the checkpoint"
-    assert prune_cb2.pruned and "calibration" in resumed.run_report
+    assert prune_cb2.pruned and resumed.record.calibration is not None
     shapes = [layer.mlp.down_proj.in_features for layer in resumed.base_model.model.layers]
     assert shapes == [len(lp.keep_channels) for lp in module.plan.layers]
 
 
 def test_full_finetune_recovery_trains_all_weights(tmp_path):
     module, dm = _module(recovery="full"), _dm(tmp_path)
-    trainer = _trainer(tmp_path, 3, [PruningCallback(ratio=0.2, criterion="magnitude", prune_step=0, evaluate=False)])
+    trainer = _trainer(tmp_path, 3, [PruningCallback(PruneSettings(ratio=0.2, criterion="magnitude"))])
     trainer.fit(module, dm)
     # all parameters are trainable and the optimizer holds the pruned ones
     params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
@@ -94,11 +97,14 @@ def test_full_finetune_recovery_trains_all_weights(tmp_path):
 
 def test_prune_only_run_stops_after_the_cut(tmp_path):
     module, dm = _module(recovery="none"), _dm(tmp_path)
-    trainer = _trainer(tmp_path, 100, [PruningCallback(ratio=0.2, criterion="taylor"),
-                                       ExportCallback(out_dir=str(tmp_path / "run"))])
-    trainer.fit(module, dm)
-    assert module.plan is not None and trainer.global_step <= 1, "the loop must stop right after the cut"
-    assert module.run_report["ppl"]["recovered"] == pytest.approx(module.run_report["ppl"]["pruned"])
+    callbacks = job_callbacks(PruneSettings(ratio=0.2, criterion="taylor"), ExportSettings(out_dir=str(tmp_path / "run")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(tmp_path, 100, callbacks)
+        trainer.fit(module, dm)
+    assert module.plan is not None and trainer.global_step == 0, "the loop must stop right after the cut"
+    assert module.record.ppl["recovered"] == pytest.approx(module.record.ppl["pruned"])
+    assert not [w for w in caught if "training_step" in str(w.message)], "a prune-only run never enters training"
     assert (tmp_path / "run" / "model" / "model.safetensors").exists()
 
 
@@ -107,7 +113,7 @@ def test_nan_weights_give_clear_error(tmp_path):
     module.configure_model()
     with torch.no_grad():
         module.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
-    trainer = _trainer(tmp_path, 2, [PruningCallback(ratio=0.2, criterion="taylor")])
+    trainer = _trainer(tmp_path, 2, [PruningCallback(PruneSettings(ratio=0.2, criterion="taylor"))])
     with pytest.raises(FloatingPointError, match="NaN|nan|non-finite"):
         trainer.fit(module, dm)
 
@@ -115,15 +121,27 @@ def test_nan_weights_give_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"ratio": 1.2}, r"ratio must be a fraction of parameters in \(0, 1\), got 1.2"),
-        ({"criterion": "taylorr"}, "unknown importance criterion 'taylorr'; available:"),
-        ({"allocation": "everywhere"}, "unknown allocation 'everywhere'"),
-        ({"prune_step": -1}, "prune_step must be >= 0"),
+        ({"ratio": 1.2}, r"prune.ratio=1.2 is not allowed: must be a number in \(0.0, 1.0\)"),
+        ({"criterion": "taylorr"}, "prune.criterion='taylorr' is not allowed: use one of taylor"),
+        ({"allocation": "everywhere"}, "prune.allocation='everywhere'"),
+        ({"prune_step": -1}, "prune.prune_step=-1 is not allowed: must be an integer >= 0"),
     ],
 )
-def test_bad_callback_settings(kwargs, match):
+def test_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        PruningCallback(**kwargs)
+        PruneSettings(**kwargs)
+
+
+@pytest.mark.parametrize("recovery, step, max_steps, match", [
+    ("lora", 5, 3, r"prune.prune_step=5 is not allowed: the run stops at trainer.max_steps=3"),
+    ("none", 2, 10, r"prune.prune_step=2 is not allowed with model.recovery=none"),
+])
+def test_prune_step_checked_against_the_run(tmp_path, recovery, step, max_steps, match):
+    module, dm = _module(recovery=recovery), _dm(tmp_path)
+    trainer = _trainer(tmp_path, max_steps, [PruningCallback(PruneSettings(prune_step=step))])
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, dm)
+    assert module.plan is None
 
 
 def test_unknown_architecture_and_bad_module_settings():

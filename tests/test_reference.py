@@ -13,6 +13,7 @@ from prunelight.data import TextSource, pack_blocks, sample_windows, tokenize_so
 from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.export import export_pretrained
 from prunelight.pipeline import make_plan
+from prunelight.settings import PruneSettings
 from prunelight.surgery import apply_plan, mask_units
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def ref(ref_model_dir, shared):
 
 def test_taylor_plan_cut_equals_mask_on_reference(ref):
     model, _, calib, evalb = ref
-    plan, _ = make_plan(model, calib, 0.2, "taylor")
+    plan, _ = make_plan(model, calib, PruneSettings(ratio=0.2, criterion="taylor"))
     masked = copy.deepcopy(model)
     mask_units(masked, plan)
     cut = copy.deepcopy(model)
@@ -46,7 +47,7 @@ def test_taylor_beats_random_and_export_reloads(ref, tmp_path):
     results = {}
     for criterion in ("taylor", "random"):
         pruned = copy.deepcopy(model)
-        plan, _ = make_plan(pruned, calib, 0.2, criterion)
+        plan, _ = make_plan(pruned, calib, PruneSettings(ratio=0.2, criterion=criterion))
         apply_plan(pruned, plan)
         results[criterion] = evaluate_perplexity(pruned, evalb)["ppl"]
         if criterion == "taylor":

@@ -39,14 +39,10 @@ def _config(tmp_path, allow_overlap=False, eval_text=None) -> dict:
                  "train": {"path": str(files["train"])}, "num_samples": 8, "seq_len": 16, "batch_size": 4,
                  "allow_overlap": allow_overlap},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_checkpointing": False,
-                    "default_root_dir": str(tmp_path),
-                    "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_progress_bar": False,
-                    "callbacks": [
-                        {"class_path": "prunelight.callbacks.PruningCallback",
-                         "init_args": {"ratio": 0.3, "criterion": "taylor", "max_eval_batches": 1}},
-                        {"class_path": "prunelight.callbacks.ExportCallback",
-                         "init_args": {"out_dir": str(tmp_path / "run"), "max_eval_batches": 1,
-                                       "evaluation": evaluation}}]},
+                    "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_progress_bar": False},
+        "prune": {"ratio": 0.3, "criterion": "taylor"},
+        "evaluation": {"max_eval_batches": 1, "suite": evaluation},
+        "export": {"out_dir": str(tmp_path / "run")},
     }
 
 
@@ -104,11 +100,11 @@ def test_fit_reports_dense_pruned_recovered_with_figures(tmp_path):
 def test_overlap_refused_then_reported_loudly(tmp_path):
     cfg = _config(tmp_path)
     calib = cfg["data"]["calibration"]["path"]
-    cfg["trainer"]["callbacks"][1]["init_args"]["evaluation"]["ppl_datasets"] = {"leak": {"path": calib}}
+    cfg["evaluation"]["suite"]["ppl_datasets"] = {"leak": {"path": calib}}
     with pytest.raises(ValueError, match="overlaps the perplexity set 'leak'"):
         _fit(tmp_path, cfg)
     cfg["data"]["allow_overlap"] = True
-    cfg["trainer"]["callbacks"][1]["init_args"]["evaluation"].update(zeroshot=False, efficiency=False)
+    cfg["evaluation"]["suite"].update(zeroshot=False, efficiency=False)
     _fit(tmp_path, cfg)
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert rep["overlap"]["flagged"] is True and "calibration/leak" in rep["overlap"]["evaluation_sets"]

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from torch import nn
 
 from prunelight.allocation.align import align_channels as _align
-from prunelight.allocation.align import check_alignment
 from prunelight.allocation.budget import (
     Budget,
     build_plan,
@@ -26,158 +25,93 @@ from prunelight.allocation.budget import (
     decoder_params,
     make_budget,
     plan_meta,
-    validate_ratio,
 )
-from prunelight.allocation.layerwise import (
-    SCALES,
-    STRATEGIES,
-    check_scale,
-    check_strategy,
-    layer_rates,
-    layerwise_width,
-)
-from prunelight.allocation.split_search import check_search, parse_split
-from prunelight.allocation.structural import BLOCK_IMPORTANCE, blockwise, depth
+from prunelight.allocation.layerwise import layer_rates, layerwise_width
+from prunelight.allocation.structural import blockwise, depth
 from prunelight.allocation.width import global_width, kind_targets, uniform_width
 from prunelight.importance.base import UnitScores
-from prunelight.layer_importance import LAYER_IMPORTANCE, check_layer_importance
 from prunelight.plan import PrunePlan
+from prunelight.settings import ALLOCATIONS, SPLIT_ALLOCATIONS, PruneSettings
 
-ALLOCATIONS = ("global", "uniform", "layerwise", "blockwise", "depth")
-SPLIT_ALLOCATIONS = ("global", "layerwise")  # the ones that can honour an attention:MLP split
 NEEDS_LAYER_IMPORTANCE = ("layerwise", "depth")
 
-__all__ = [
-    "ALLOCATIONS",
-    "BLOCK_IMPORTANCE",
-    "LAYER_IMPORTANCE",
-    "SCALES",
-    "STRATEGIES",
-    "allocate",
-    "check_allocation_options",
-    "count_params",
-    "decoder_params",
-    "precheck",
-    "validate_ratio",
-]
+__all__ = ["ALLOCATIONS", "Budget", "allocate", "count_params", "decoder_params", "make_budget", "precheck"]
 
 
-def check_allocation_options(
-    allocation: str = "global",
-    strategy: str = "inverse",
-    alpha: float = 1.0,
-    freeze_top_n: int = 0,
-    rate_range: Sequence[float] = (0.0, 1.0),
-    attn_mlp_split: str | None = None,
-    align_channels: int = 1,
-    layer_importance: str = "block_influence",
-    block_importance: str = "units",
-    split_step: float = 0.1,
-    split_fine_step: float = 0.025,
-    split_patience: int = 2,
-    importance_scale: str = "minmax",
-) -> None:
-    """Every allocation option checked by name and range, before any model or data is touched."""
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
-    check_strategy(strategy, alpha, freeze_top_n, rate_range)
-    check_scale(importance_scale)
-    check_layer_importance(layer_importance)
-    if block_importance not in BLOCK_IMPORTANCE:
-        raise ValueError(f"unknown block importance {block_importance!r}; available: {', '.join(BLOCK_IMPORTANCE)}")
-    parse_split(attn_mlp_split)
-    if attn_mlp_split is not None and allocation not in SPLIT_ALLOCATIONS:
-        raise ValueError(
-            f"attn_mlp_split applies to allocations {', '.join(SPLIT_ALLOCATIONS)}, not {allocation!r}; remove it"
-        )
-    if attn_mlp_split == "auto":
-        check_search(split_step, split_fine_step, split_patience)
-    check_alignment(align_channels)
-
-
-def precheck(model: nn.Module, ratio: float, allocation: str, min_groups: int = 1, min_channels: int = 1,
-             freeze_top_n: int = 0, rate_range: Sequence[float] = (0.0, 1.0),
-             attn_mlp_split: str | None = None) -> Budget:
-    """Checks that need the model's sizes but no data (run before calibration)."""
-    budget = make_budget(model, ratio, min_groups, min_channels)
-    if allocation == "layerwise":
-        if freeze_top_n >= budget.num_layers:
+def precheck(model: nn.Module, settings: PruneSettings) -> Budget:
+    """Measure the model once and refuse settings its sizes cannot meet (run before calibration)."""
+    budget = make_budget(model, settings)
+    ratio, rates = settings.ratio, settings.layerwise
+    if settings.allocation == "layerwise":
+        if rates.freeze_top_n >= budget.num_layers:
             raise ValueError(
-                f"freeze_top_n={freeze_top_n} but the model has {budget.num_layers} layers; "
-                "at least one must be prunable"
+                f"prune.layerwise.freeze_top_n={rates.freeze_top_n} is not allowed: the model has {budget.num_layers} "
+                "layers and at least one must be prunable"
             )
         sizes = sorted((budget.layer_units(i), i) for i in range(budget.num_layers))
-        pruned = [i for _, i in sizes[freeze_top_n:]]  # optimistic: the smallest layers frozen
-        most = sum(min(rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
+        pruned = [i for _, i in sizes[rates.freeze_top_n:]]  # optimistic: the smallest layers frozen
+        most = sum(min(rates.rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
         if budget.target > most:
             raise ValueError(
-                f"layer rates cannot meet the budget: ratio {ratio} needs {budget.target:,} parameters but rates up to "
-                f"{rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
+                f"prune.ratio={ratio} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
+                f"{rates.rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
             )
-    if allocation in ("global", "layerwise"):
+    if settings.allocation in ("global", "layerwise"):
         removable = budget.removable("attn") + budget.removable("mlp")
         if budget.target > removable:
             raise ValueError(
-                f"ratio {ratio} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
-                f"({removable / budget.total:.1%} of the model) while keeping {min_groups} group(s) and "
-                f"{min_channels} channel(s) per layer"
+                f"prune.ratio={ratio} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
+                f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
+                f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
             )
-    share = parse_split(attn_mlp_split)
+    share = settings.attn_share
     if share is not None:
         kind_targets(budget, share)
     return budget
 
 
 def allocate(
-    model: nn.Module,
+    budget: Budget,
     scores: UnitScores,
-    ratio: float,
-    method: str = "global",
-    min_groups: int = 1,
-    min_channels: int = 1,
+    settings: PruneSettings,
     layer_scores: Sequence[float] | None = None,
-    strategy: str = "inverse",
-    alpha: float = 1.0,
-    freeze_top_n: int = 0,
-    rate_range: Sequence[float] = (0.0, 1.0),
-    attn_share: float | None = None,
-    align_channels: int = 1,
     block_scores: dict[str, Sequence[float]] | None = None,
-    fill_width: bool = True,
-    importance_scale: str = "minmax",
+    attn_share: float | None = None,
 ) -> PrunePlan:
-    """Choose the units (and sub-blocks / layers) to remove so that `ratio` of all parameters is gone."""
-    check_allocation_options(method, strategy, alpha, freeze_top_n, rate_range, None, align_channels,
-                             importance_scale=importance_scale)
-    if attn_share is not None and method not in SPLIT_ALLOCATIONS:
+    """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
+
+    `attn_share` overrides the settings' fixed split (the split search tries several); layerwise and
+    depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
+    """
+    method = settings.allocation
+    share = settings.attn_share if attn_share is None else attn_share
+    if share is not None and method not in SPLIT_ALLOCATIONS:
         raise ValueError(f"an attention:MLP split applies to {', '.join(SPLIT_ALLOCATIONS)}, not {method!r}")
-    if attn_share is not None and not 0.0 <= attn_share <= 1.0:
-        raise ValueError(f"attn_share must be in [0, 1], got {attn_share!r}")
-    budget = precheck(model, ratio, method, min_groups, min_channels, freeze_top_n, rate_range)
     check_scores(scores, budget)
     if method in NEEDS_LAYER_IMPORTANCE and layer_scores is None:
         raise ValueError(f"allocation {method!r} needs layer importance (layer_scores); make_plan measures it")
     extra: dict = {"allocation": method}
     drop: set[int] = set()
     if method == "global":
-        removed = global_width(scores, budget, attn_share)
+        removed = global_width(scores, budget, share)
     elif method == "uniform":
         removed = uniform_width(scores, budget)
     elif method == "layerwise":
-        rates = layer_rates(layer_scores, budget, strategy, alpha, freeze_top_n, rate_range, importance_scale)
-        removed = layerwise_width(scores, budget, rates, attn_share)
-        extra.update(layer_rates=rates, strategy=strategy, alpha=alpha, freeze_top_n=freeze_top_n,
-                     importance_scale=importance_scale)
+        rates = layer_rates(layer_scores, budget, settings.layerwise)
+        removed = layerwise_width(scores, budget, rates, share)
+        lw = settings.layerwise
+        extra.update(layer_rates=rates, rate_strategy=lw.rate_strategy, alpha=lw.alpha, freeze_top_n=lw.freeze_top_n,
+                     importance_scale=lw.importance_scale)
     elif method == "blockwise":
-        removed, gone = blockwise(scores, budget, block_scores, fill_width)
+        removed, gone = blockwise(scores, budget, block_scores, settings.fill_width)
         extra.update(blocks_removed=[f"{k}{i}" for k, i in gone])
     else:
-        removed, drop = depth(scores, budget, layer_scores, fill_width)
-    if attn_share is not None:
-        extra["attn_share_target"] = attn_share
-    if align_channels > 1:
-        removed = _align(scores, budget, removed, align_channels, fixed=drop)
-        extra["align_channels"] = align_channels
+        removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
+    if share is not None:
+        extra["attn_share_target"] = share
+    if settings.align_channels > 1:
+        removed = _align(scores, budget, removed, settings.align_channels, fixed=drop)
+        extra["align_channels"] = settings.align_channels
     plan = build_plan(budget, removed, drop)
     plan.meta = {**extra, **plan_meta(budget, plan)}
     return plan

@@ -13,17 +13,10 @@ from prunelight.allocation.budget import Budget, Removed
 from prunelight.importance.base import UnitScores
 
 
-def check_alignment(multiple: int) -> None:
-    """`align_channels` is a positive integer (1 disables alignment)."""
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise ValueError(f"align_channels must be an integer >= 1 (1 disables it), got {multiple!r}")
-
-
 def align_channels(
     scores: UnitScores, budget: Budget, removed: Removed, multiple: int, fixed: set[int] = frozenset()
 ) -> Removed:
     """Round kept MLP channels per layer to `multiple` and rebalance so the budget is met within one step."""
-    check_alignment(multiple)
     if multiple == 1:
         return removed
     n = budget.num_layers

@@ -10,8 +10,8 @@ from torch import nn
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.plan import LayerPlan, PrunePlan
+from prunelight.settings import PruneSettings
 
-KIND_COST = {"attn": "g_cost", "mlp": "c_cost"}
 Removed = dict[str, list[set[int]]]  # kind -> per layer, the removed unit indices
 Unit = tuple[float, str, int, int, int]  # (score per parameter, kind, layer, index, cost)
 
@@ -24,12 +24,6 @@ def count_params(model: nn.Module) -> int:
 def decoder_params(model: nn.Module) -> int:
     """Parameters inside the decoder layers (what width pruning can remove)."""
     return sum(p.numel() for p in get_family(model).layers(model).parameters())
-
-
-def validate_ratio(ratio: float) -> None:
-    """A prune ratio is a fraction of the model's parameters in (0, 1)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) < 1.0:
-        raise ValueError(f"prune ratio must be a fraction of parameters in (0, 1), got {ratio!r}")
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -85,12 +79,9 @@ class Budget:
         return self.layer_units(i) + self.attn_extra[i] + self.mlp_extra[i] + self.layer_extra[i]
 
 
-def make_budget(model: nn.Module, ratio: float, min_groups: int = 1, min_channels: int = 1) -> Budget:
-    """Measure `model` and turn `ratio` of its parameters into a removal target."""
-    validate_ratio(ratio)
-    for name, v in (("min_groups", min_groups), ("min_channels", min_channels)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+def make_budget(model: nn.Module, settings: PruneSettings) -> Budget:
+    """Measure `model` and turn `settings.ratio` of its parameters into a removal target."""
+    ratio, min_groups, min_channels = settings.ratio, settings.min_groups, settings.min_channels
     family = get_family(model)
     config = unwrap(model).config
     g_cost, c_cost = family.group_param_cost(config), family.channel_param_cost(config)
@@ -133,11 +124,6 @@ def units(scores: UnitScores, budget: Budget, kinds=("attn", "mlp"), layers=None
                 out.append((s / cost, kind, i, j, cost))
     out.sort(key=lambda u: (u[0], u[1], u[2], u[3]))
     return out
-
-
-def removed_cost(budget: Budget, removed: Removed, kinds=("attn", "mlp")) -> int:
-    """Unit parameters removed so far."""
-    return sum(len(s) * budget.cost(kind) for kind in kinds for s in removed[kind])
 
 
 def fill(candidates: list[Unit], target: int, removed: Removed, limits: dict[str, list[int]], total: int,

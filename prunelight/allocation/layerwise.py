@@ -17,41 +17,12 @@ from collections.abc import Sequence
 from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, trim, units
 from prunelight.allocation.width import kind_targets, limits
 from prunelight.importance.base import UnitScores
+from prunelight.settings import LayerRates
 
-STRATEGIES = ("inverse", "proportional", "uniform")
-SCALES = ("minmax", "rank")  # how raw importance becomes z in [0, 1]
-
-
-def check_strategy(strategy: str, alpha: float, freeze_top_n: int, rate_range: Sequence[float]) -> None:
-    """Refuse bad layerwise options before any work."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown layerwise strategy {strategy!r}; available: {', '.join(STRATEGIES)}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
-        raise ValueError(f"alpha (the spread of layer rates) must be a finite number >= 0, got {alpha!r}")
-    if isinstance(freeze_top_n, bool) or not isinstance(freeze_top_n, int) or freeze_top_n < 0:
-        raise ValueError(f"freeze_top_n must be an integer >= 0, got {freeze_top_n!r}")
-    if len(rate_range) != 2 or not 0.0 <= rate_range[0] < rate_range[1] <= 1.0:
-        raise ValueError(f"rate_range must be [low, high] with 0 <= low < high <= 1, got {list(rate_range)!r}")
-
-
-def check_scale(scale: str) -> None:
-    """Refuse an unknown importance scaling."""
-    if scale not in SCALES:
-        raise ValueError(f"unknown importance_scale {scale!r}; available: {', '.join(SCALES)}")
-
-
-def layer_rates(
-    importance: Sequence[float],
-    budget: Budget,
-    strategy: str = "inverse",
-    alpha: float = 1.0,
-    freeze_top_n: int = 0,
-    rate_range: Sequence[float] = (0.0, 1.0),
-    scale: str = "minmax",
-) -> list[float]:
+def layer_rates(importance: Sequence[float], budget: Budget, rates: LayerRates) -> list[float]:
     """Per-layer removal fractions of the prunable parameters that together meet the budget exactly."""
-    check_strategy(strategy, alpha, freeze_top_n, rate_range)
-    check_scale(scale)
+    strategy, alpha, freeze_top_n = rates.rate_strategy, rates.alpha, rates.freeze_top_n
+    rate_range, scale = rates.rate_range, rates.importance_scale
     n = budget.num_layers
     if len(importance) != n:
         raise ValueError(f"layer importance has {len(importance)} values for {n} layers")

@@ -16,7 +16,6 @@ from torch import nn
 
 from prunelight.families import get_family, unwrap
 from prunelight.plan import PrunePlan
-from prunelight.surgery import head_rows
 
 
 def parse_split(split: str | None) -> float | None:
@@ -98,29 +97,27 @@ def masked(model: nn.Module, plan: PrunePlan) -> Iterator[None]:
     """Run `model` as if `plan` were applied, without changing any weight (input masks on o_proj / down_proj)."""
     base = unwrap(model)
     family = get_family(base)
-    hd = family.head_dim(base.config)
+    num_units = {"attn": plan.num_groups, "mlp": plan.num_channels}
     handles = []
 
     def mask_hook(mask):
         return lambda module, args: (args[0] * mask.to(args[0].dtype),)
 
     try:
-        for i, (layer, lp, shape) in enumerate(zip(family.layers(base), plan.layers, family.layer_shapes(base))):
+        for i, (layer_owned, lp) in enumerate(zip(family.owned_by_layer(base), plan.layers)):
             dropped = i in plan.drop_layers
-            attn, mlp = family.attn(layer), family.mlp(layer)
-            if attn is not None and (dropped or len(lp.keep_groups) < plan.num_groups[i]):
-                o = family.o(attn)
-                mask = torch.zeros(o.in_features, device=o.weight.device)
-                if not dropped:
-                    rep = shape.num_attention_heads // shape.num_key_value_heads
-                    mask[head_rows(sorted(lp.keep_groups), rep, hd).to(mask.device)] = 1
-                handles.append(o.register_forward_pre_hook(mask_hook(mask)))
-            if mlp is not None and (dropped or len(lp.keep_channels) < plan.num_channels[i]):
-                down = family.gate_up_down(mlp)[2]
-                mask = torch.zeros(down.in_features, device=down.weight.device)
-                if not dropped and lp.keep_channels:
-                    mask[torch.tensor(lp.keep_channels, device=mask.device)] = 1
-                handles.append(down.register_forward_pre_hook(mask_hook(mask)))
+            keep = {"attn": lp.keep_groups, "mlp": lp.keep_channels}
+            for owned in layer_owned:
+                # The module whose input columns read the units' outputs: masking its input silences them.
+                if not owned.spec.reads_unit_output:
+                    continue
+                kept = [] if dropped else keep[owned.kind]
+                if len(kept) == num_units[owned.kind][i]:
+                    continue
+                mask = torch.zeros(owned.module.in_features, device=owned.param.device)
+                if kept:
+                    mask[owned.spec.indices(kept).to(mask.device)] = 1
+                handles.append(owned.module.register_forward_pre_hook(mask_hook(mask)))
         yield
     finally:
         for h in handles:

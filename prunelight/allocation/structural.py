@@ -8,7 +8,6 @@ from prunelight.allocation.budget import Budget, Removed, empty_removed
 from prunelight.allocation.width import global_width
 from prunelight.importance.base import UnitScores
 
-BLOCK_IMPORTANCE = ("units", "removal")
 
 
 def block_scores_from_units(scores: UnitScores) -> dict[str, list[float]]:

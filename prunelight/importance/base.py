@@ -13,9 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from prunelight.families import ModelFamily, get_family, unwrap
+from prunelight.families import KINDS, ModelFamily, get_family, unwrap
 
-KINDS = ("attn", "mlp")
 OBJECTIVES = ("lm", "entropy")
 UnitScores = dict[str, list[torch.Tensor]]  # kind -> one 1-D tensor of scores per layer
 
@@ -113,15 +112,12 @@ class ActGradCriterion(Criterion):
         """[batch, units] per-sample sums of a*g -> [units] contribution of this batch."""
 
     def _register(self, model: nn.Module, family: ModelFamily) -> None:
-        for i, layer in enumerate(family.layers(model)):
-            attn, mlp = family.attn(layer), family.mlp(layer)
-            if attn is not None and hasattr(attn, family.o_name):
-                n_kv = self.stats["attn"][i].numel()
-                self._handles.append(family.o(attn).register_forward_pre_hook(self._grad_hook("attn", i, n_kv)))
-            if mlp is not None and hasattr(mlp, family.down_name):
-                n_c = self.stats["mlp"][i].numel()
-                down = family.gate_up_down(mlp)[2]
-                self._handles.append(down.register_forward_pre_hook(self._grad_hook("mlp", i, n_c)))
+        for i, mods in enumerate(family.input_modules(model)):
+            # The inputs of o_proj / down_proj are the units' outputs, laid out unit after unit.
+            for kind, key in (("attn", "o_in"), ("mlp", "down_in")):
+                if key in mods:
+                    units = self.stats[kind][i].numel()
+                    self._handles.append(mods[key].register_forward_pre_hook(self._grad_hook(kind, i, units)))
 
     def _grad_hook(self, kind: str, layer: int, units: int):
         def pre_hook(module, args):

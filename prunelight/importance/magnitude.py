@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelight.families import get_family, unwrap
+from prunelight.families import KINDS, get_family
 from prunelight.importance.base import Criterion, UnitScores
 
 
@@ -30,27 +30,12 @@ class MagnitudeCriterion(Criterion):
 
     @torch.no_grad()
     def scores(self, model: nn.Module) -> UnitScores:
-        family = get_family(model)
-        hd = family.head_dim(unwrap(model).config)
-        out: UnitScores = {"attn": [], "mlp": []}
-        for layer, shape in zip(family.layers(model), family.layer_shapes(model)):
-            n_kv, n_c = shape.num_key_value_heads, shape.intermediate_size
-            if n_kv:
-                q, k, v = family.qkv(family.attn(layer))
-                o = family.o(family.attn(layer))
-                rep = shape.num_attention_heads // n_kv
-                qw = q.weight.float().view(n_kv, rep * hd, -1).flatten(1)
-                kw = k.weight.float().view(n_kv, hd, -1).flatten(1)
-                vw = v.weight.float().view(n_kv, hd, -1).flatten(1)
-                ow = o.weight.float().t().reshape(n_kv, rep * hd, -1).flatten(1)
-                out["attn"].append(self._norm([qw, kw, vw, ow]))
-            else:
-                out["attn"].append(torch.zeros(0))
-            if n_c:
-                gate, up, down = family.gate_up_down(family.mlp(layer))
-                out["mlp"].append(self._norm([gate.weight.float(), up.weight.float(), down.weight.float().t()]))
-            else:
-                out["mlp"].append(torch.zeros(0))
+        out: UnitScores = {kind: [] for kind in KINDS}
+        for layer_owned in get_family(model).owned_by_layer(model):
+            for kind in KINDS:
+                # Biases are left out: the norm is over the weight matrices a unit owns.
+                parts = [o.spec.unit_blocks(o.param.float()) for o in layer_owned if o.kind == kind and not o.is_bias]
+                out[kind].append(self._norm(parts) if parts else torch.zeros(0))
         return out
 
 

@@ -35,10 +35,6 @@ class WeightGradCriterion(Criterion):
     def grad_params(self, model: nn.Module) -> list[nn.Parameter]:
         return [o.param for o in owned_tensors(model)]
 
-    def extra_stats(self) -> dict[str, list[torch.Tensor]]:
-        """Further per-unit accumulators of a subclass (same layout as `stats`), keyed by name."""
-        return {}
-
     @abstractmethod
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
         """Fold one parameter's fp32 weight and gradient into the per-unit statistics."""

@@ -1,0 +1,118 @@
+"""The run's one evaluator: dense, pruned and recovered are measured with the same data and settings.
+
+The PruningCallback measures "dense" (before the cut) and "pruned" (right after it); the
+ExportCallback measures "recovered" at the end. Results go into the run record and to the Lightning
+loggers (`ppl/<state>`, `zeroshot/<state>_acc`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from prunelight.console import log_metrics, progress
+from prunelight.data import overlap_fraction
+from prunelight.evaluation.perplexity import evaluate_perplexity
+from prunelight.evaluation.suite import Evaluator, capture_hidden_states, hidden_similarity
+from prunelight.settings import RunEvaluation
+
+log = logging.getLogger(__name__)
+
+
+class RunEvaluator:
+    """Measures each model state of a run the same way: perplexity on `data.eval`, then the optional suite."""
+
+    def __init__(self, settings: RunEvaluation | None = None) -> None:
+        self.settings = settings or RunEvaluation()
+        self.max_eval_batches = self.settings.max_eval_batches
+        self._suite: Evaluator | None = None
+        self._dense_hidden: list[torch.Tensor] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any) -> None:
+        """Prepare once per fit: smoke tests read one batch; the suite's data is checked before any work."""
+        if trainer.fast_dev_run:
+            self.max_eval_batches = 1
+        if self.settings.suite is not None and trainer.datamodule is not None:
+            trainer.datamodule.setup("fit")  # its own overlap guard first, then the suite's
+            self.suite(trainer, pl_module)
+
+    def suite(self, trainer: Any, pl_module: Any) -> Evaluator | None:
+        """The full-evaluation runner (rank 0 only; None when no suite is configured)."""
+        if self.settings.suite is None or not trainer.is_global_zero:
+            return None
+        if self._suite is None:
+            tok = pl_module.load_tokenizer()
+            if tok is None:
+                raise ValueError("the evaluation suite needs a tokenizer: model.pretrained must be a folder or hub id "
+                                 "with one")
+            self._suite = Evaluator(self.settings.suite, tok)
+            if self.settings.suite.perplexity:
+                self._check_suite_overlap(trainer, pl_module)
+        return self._suite
+
+    def measure(self, state: str, trainer: Any, pl_module: Any, folder: str | None = None) -> None:
+        """Measure the module's current model as `state` (dense | pruned | recovered) into its record."""
+        record = pl_module.record
+        dm = trainer.datamodule
+        if self.settings.data_eval and dm is not None:
+            t0 = time.perf_counter()
+            loader = dm.eval_dataloader()
+            total = len(loader) if self.max_eval_batches is None else min(len(loader), self.max_eval_batches)
+            res = evaluate_perplexity(pl_module.model, progress(loader, f"perplexity of the {state} model", total),
+                                      self.max_eval_batches)
+            record.times_s[f"eval_{state}"] = time.perf_counter() - t0
+            record.ppl[state] = res["ppl"]
+            record.ppl_detail[state] = res
+            record.eval = {"source": dm.eval.describe(), "seq_len": dm.eval_seq_len, "tokens": res["tokens"]}
+            log_metrics(trainer, {f"ppl/{state}": res["ppl"]})
+        ev = self.suite(trainer, pl_module)
+        if ev is not None:
+            t0 = time.perf_counter()
+            res = ev.evaluate(pl_module.model, state, folder)
+            record.evaluation[state] = res
+            record.times_s[f"evaluation_{state}"] = time.perf_counter() - t0
+            zs = (res.get("zeroshot") or {}).get("average") or {}
+            first_ppl = (res.get("perplexity") or [{}])[0].get("ppl")
+            log_metrics(trainer, {f"zeroshot/{state}_acc": zs.get("acc"), f"suite_ppl/{state}": first_ppl})
+            self._similarity(state, trainer, pl_module)
+        if self.settings.suite is not None and trainer.world_size > 1:
+            trainer.strategy.barrier("prunelight-evaluation")  # other ranks wait while rank 0 evaluates
+
+    def _similarity(self, state: str, trainer: Any, pl_module: Any) -> None:
+        """Hidden states of the dense model, and each later state's cosine similarity to them."""
+        dm, n = trainer.datamodule, self.settings.suite.similarity_batches
+        if dm is None or not n:
+            return
+        hidden = capture_hidden_states(pl_module.model, dm.calibration_batches()[:n])
+        if state == "dense":
+            self._dense_hidden = hidden
+        elif self._dense_hidden:
+            sims = pl_module.record.evaluation.setdefault("hidden_similarity", {})
+            sims[state] = hidden_similarity(self._dense_hidden, hidden)
+
+    def _check_suite_overlap(self, trainer: Any, pl_module: Any) -> None:
+        """The suite's perplexity texts get the same calibration/training overlap guard as `data.eval`."""
+        dm = trainer.datamodule
+        if dm is None:
+            return
+        report_overlap = pl_module.record.overlap
+        report_overlap.update({k: v for k, v in (getattr(dm, "overlap", {}) or {}).items() if k not in report_overlap})
+        texts = {"calibration": dm.calibration, "train": dm.train}
+        for name, src in self._suite.ppl_data().sources.items():
+            eval_lines = src.lines()
+            for role, other in texts.items():
+                if other is None:
+                    continue
+                frac, n = overlap_fraction(other.lines(), eval_lines)
+                if other.describe() == src.describe() or frac > 0.01:
+                    report_overlap.setdefault("evaluation_sets", {})[f"{role}/{name}"] = {
+                        "shared_lines": n, "fraction": frac}
+                    report_overlap.update(flagged=True, allowed=dm.allow_overlap)
+                    if not dm.allow_overlap:
+                        raise ValueError(
+                            f"{role} text {other.describe()} overlaps the perplexity set {name!r} ({src.describe()}): "
+                            f"{n} shared lines ({100 * frac:.1f}%). Use a different split, or set "
+                            "data.allow_overlap=true")

@@ -1,0 +1,231 @@
+"""The run's settings, one typed owner each: `prune:`, `evaluation:` and `export:` sections of the CLI and YAML.
+
+Every option and its default is written once, here. Values are checked once, in `__post_init__`, so a
+bad value fails before any model or data is loaded, with one line naming the option, the value and
+what is allowed. Checks that need the model's sizes (e.g. more units asked than exist) are in
+`allocation.precheck`, run once per plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from prunelight.evaluation.suite import EvaluationSettings
+from prunelight.importance import CRITERIA, build_criterion
+from prunelight.layer_importance import LAYER_IMPORTANCE
+
+# Choice lists are owned by the modules that implement them; Literal[...] makes `--help` list them.
+ALLOCATIONS = ("global", "uniform", "layerwise", "blockwise", "depth")
+SPLIT_ALLOCATIONS = ("global", "layerwise")  # the allocations that can honour an attention:MLP split
+RATE_STRATEGIES = ("inverse", "proportional", "uniform")
+IMPORTANCE_SCALES = ("minmax", "rank")
+BLOCK_IMPORTANCE = ("units", "removal")
+
+CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
+AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
+LayerImportanceName = Literal[LAYER_IMPORTANCE]  # type: ignore[valid-type]
+RateStrategy = Literal[RATE_STRATEGIES]  # type: ignore[valid-type]
+ImportanceScale = Literal[IMPORTANCE_SCALES]  # type: ignore[valid-type]
+BlockImportance = Literal[BLOCK_IMPORTANCE]  # type: ignore[valid-type]
+
+
+class SettingsError(ValueError):
+    """A setting with a value that is not allowed; the message names the option, the value and what is allowed."""
+
+
+def _bad(option: str, value: Any, allowed: str) -> SettingsError:
+    return SettingsError(f"{option}={value!r} is not allowed: {allowed}")
+
+
+def _choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _bad(option, value, f"use one of {', '.join(choices)}")
+
+
+def _integer(option: str, value: Any, low: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(option, value, f"must be an integer >= {low}" + (" or null" if optional else ""))
+
+
+def _number(option: str, value: Any, low: float, high: float, low_open: bool, high_open: bool) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise _bad(option, value, f"must be a number in {interval}")
+
+
+@dataclass
+class LayerRates:
+    """How `layerwise` turns layer importance into per-layer pruning rates (see docs/methods.md)."""
+
+    rate_strategy: RateStrategy = "inverse"
+    """inverse: important layers are cut less; proportional: more; uniform: the same rate everywhere."""
+    alpha: float = 1.0
+    """Spread of the rates: weight exp(-alpha*z) for importance z in [0, 1]."""
+    importance_scale: ImportanceScale = "minmax"
+    """How raw layer importance becomes z: minmax, or rank when one layer dwarfs the rest."""
+    freeze_top_n: int = 0
+    """The n most important layers are not pruned."""
+    rate_range: tuple[float, float] = (0.0, 1.0)
+    """[low, high] bounds of every layer's rate."""
+
+    def validate(self, prefix: str) -> None:
+        """Check every field (called by PruneSettings)."""
+        _choice(f"{prefix}.rate_strategy", self.rate_strategy, RATE_STRATEGIES)
+        _number(f"{prefix}.alpha", self.alpha, 0.0, math.inf, False, True)
+        _choice(f"{prefix}.importance_scale", self.importance_scale, IMPORTANCE_SCALES)
+        _integer(f"{prefix}.freeze_top_n", self.freeze_top_n, 0)
+        r = tuple(self.rate_range)
+        if len(r) != 2 or not all(isinstance(v, (int, float)) for v in r) or not 0.0 <= r[0] < r[1] <= 1.0:
+            raise _bad(f"{prefix}.rate_range", list(r), "must be [low, high] with 0 <= low < high <= 1")
+        self.rate_range = (float(r[0]), float(r[1]))
+
+
+@dataclass
+class SplitSearch:
+    """The search for the attention share of the budget when `attn_mlp_split: auto`."""
+
+    step: float = 0.1
+    """Coarse grid step of the attention share."""
+    fine_step: float = 0.025
+    """Fine grid step around the best coarse point (less than `step`)."""
+    patience: int = 2
+    """A direction stops after this many rises in calibration NLL in a row."""
+
+    def validate(self, prefix: str) -> None:
+        """Check every field (called by PruneSettings)."""
+        _number(f"{prefix}.step", self.step, 0.0, 0.5, True, False)
+        _number(f"{prefix}.fine_step", self.fine_step, 0.0, self.step, True, True)
+        _integer(f"{prefix}.patience", self.patience, 1)
+
+
+@dataclass
+class PruneSettings:
+    """What to remove and how: criterion, allocation and budget (the `prune:` section)."""
+
+    ratio: float = 0.2
+    """Fraction of all the model's parameters to remove, in (0, 1)."""
+    criterion: CriterionName = "taylor"
+    """Importance criterion that scores every GQA group and MLP channel (docs/criteria.md)."""
+    criterion_args: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the criterion (e.g. {p: 1} for magnitude, {seed: 1} for random)."""
+    allocation: AllocationName = "global"
+    """How the budget is spread over layers: global, uniform, layerwise, blockwise or depth (docs/methods.md)."""
+    attn_mlp_split: str | None = None
+    """Share of the budget taken from attention vs MLP, "x:y" (e.g. "1:3"), "auto" (searched), or null (free)."""
+    prune_step: int = 0
+    """Training step at which the cut happens (0: before recovery starts)."""
+    min_groups: int = 1
+    """GQA groups every layer keeps (0 lets global allocation remove a layer's whole attention)."""
+    min_channels: int = 1
+    """MLP channels every layer keeps."""
+    align_channels: int = 1
+    """Kept MLP channels are rounded to a multiple of this (64/128 suit GPU kernels; 1 disables)."""
+    max_calibration_batches: int | None = None
+    """Use at most this many calibration batches for scoring (null: all)."""
+    importance_batches: int | None = None
+    """Calibration batches for layer importance and the split search (null: as for scoring)."""
+    layer_importance: LayerImportanceName = "block_influence"
+    """Layer importance measure for layerwise and depth."""
+    block_importance: BlockImportance = "units"
+    """How blockwise ranks sub-blocks: the criterion's unit scores, or measured removal loss."""
+    fill_width: bool = True
+    """blockwise/depth: width-prune what whole blocks/layers leave of the budget."""
+    layerwise: LayerRates = field(default_factory=LayerRates)
+    """Per-layer rates of the layerwise allocation."""
+    split_search: SplitSearch = field(default_factory=SplitSearch)
+    """Search settings for attn_mlp_split: auto."""
+    report_layer_importance: list[LayerImportanceName] = field(
+        default_factory=lambda: ["block_influence", "activation_change"])
+    """Layer importance measures to record in the report and plot."""
+
+    def __post_init__(self) -> None:
+        _number("prune.ratio", self.ratio, 0.0, 1.0, True, True)
+        self.ratio = float(self.ratio)
+        _choice("prune.criterion", self.criterion, tuple(CRITERIA))
+        try:
+            build_criterion(self.criterion, **dict(self.criterion_args or {}))
+        except ValueError as err:
+            raise _bad("prune.criterion_args", self.criterion_args, str(err)) from None
+        self.criterion_args = dict(self.criterion_args or {})
+        _choice("prune.allocation", self.allocation, ALLOCATIONS)
+        if self.attn_mlp_split is not None:
+            from prunelight.allocation.split_search import parse_split  # here: allocation imports this module
+
+            if isinstance(self.attn_mlp_split, int) and not isinstance(self.attn_mlp_split, bool):
+                raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
+                           'an unquoted x:y in YAML is read as a base-60 number; quote it, e.g. "1:3"')
+            try:
+                parse_split(self.attn_mlp_split)
+            except ValueError:
+                raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
+                           "use 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), 'auto', or null") from None
+            if self.allocation not in SPLIT_ALLOCATIONS:
+                raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
+                           f"a split applies to allocation {' or '.join(SPLIT_ALLOCATIONS)}, not {self.allocation!r}")
+        for name in ("prune_step", "min_groups", "min_channels"):
+            _integer(f"prune.{name}", getattr(self, name), 0)
+        _integer("prune.align_channels", self.align_channels, 1)
+        _integer("prune.max_calibration_batches", self.max_calibration_batches, 1, optional=True)
+        _integer("prune.importance_batches", self.importance_batches, 1, optional=True)
+        _choice("prune.layer_importance", self.layer_importance, LAYER_IMPORTANCE)
+        _choice("prune.block_importance", self.block_importance, BLOCK_IMPORTANCE)
+        if isinstance(self.layerwise, dict):
+            self.layerwise = LayerRates(**self.layerwise)
+        if isinstance(self.split_search, dict):
+            self.split_search = SplitSearch(**self.split_search)
+        self.layerwise.validate("prune.layerwise")
+        self.split_search.validate("prune.split_search")
+        self.report_layer_importance = list(dict.fromkeys(self.report_layer_importance or []))
+        for name in self.report_layer_importance:
+            _choice("prune.report_layer_importance", name, LAYER_IMPORTANCE)
+
+    @property
+    def attn_share(self) -> float | None:
+        """The attention share of the budget for a fixed "x:y" split (None: free or searched)."""
+        from prunelight.allocation.split_search import parse_split
+
+        return parse_split(self.attn_mlp_split)
+
+    def as_dict(self) -> dict:
+        """JSON-able form (report, checkpoints)."""
+        d = asdict(self)
+        d["layerwise"]["rate_range"] = list(self.layerwise.rate_range)
+        return d
+
+
+@dataclass
+class RunEvaluation:
+    """How dense, pruned and recovered models are measured: the same data and settings for all three."""
+
+    data_eval: bool = True
+    """Perplexity on the data module's `eval` text for each model (the run's headline numbers)."""
+    max_eval_batches: int | None = None
+    """Use at most this many `eval` batches (null: the whole eval text)."""
+    suite: EvaluationSettings | None = None
+    """The full evaluation (perplexity sets, zero-shot tasks, efficiency), or null to skip it."""
+
+    def __post_init__(self) -> None:
+        _integer("evaluation.max_eval_batches", self.max_eval_batches, 1, optional=True)
+
+
+@dataclass
+class ExportSettings:
+    """Where the run writes its results (the `export:` section); the one place the output folder is named."""
+
+    out_dir: str = "runs/prunelight"
+    """Output folder: model/, report.json, report.md, figures, and Lightning's logs and checkpoints."""
+    model: bool = True
+    """Write the merged, pruned model as a Hugging Face folder (<out_dir>/model)."""
+    figures: bool = True
+    """Write the report's PNG figures."""
+
+    def __post_init__(self) -> None:
+        if not str(self.out_dir).strip():
+            raise _bad("export.out_dir", self.out_dir, "must be a folder path")
