@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prunelight.console import progress
 from prunelight.families import unwrap
 from prunelight.importance.base import KINDS, Criterion, UnitScores
 
@@ -75,9 +76,8 @@ def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Crit
     base.eval()
     keep_checkpointing_in_eval(base)
     try:
-        for b, input_ids in enumerate(batches):
-            if max_batches is not None and b >= max_batches:
-                break
+        batches = list(batches)[:max_batches]
+        for b, input_ids in enumerate(progress(batches, f"scoring units ({criterion.name})")):
             input_ids = input_ids.to(device)
             for chunk in torch.split(input_ids, criterion.micro_batch_size or max(len(input_ids), 1)):
                 with torch.set_grad_enabled(criterion.needs_backward):

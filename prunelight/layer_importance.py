@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from prunelight.console import progress
 from prunelight.families import get_family, unwrap
 from prunelight.evaluation.perplexity import evaluate_perplexity
 
@@ -67,7 +68,7 @@ def _change_stats(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[f
     base.eval()
     device = next(base.parameters()).device
     try:
-        for ids in batches:
+        for ids in progress(batches, "layer importance (block influence, activation change)"):
             base(input_ids=ids.to(device), use_cache=False)
     finally:
         for h in handles:
@@ -105,7 +106,7 @@ def _removal(model: nn.Module, batches: list[torch.Tensor], modules: Sequence[nn
     """Perplexity increase on `batches` when each module alone is bypassed (inf-safe)."""
     base_ppl = math.exp(_nll(model, batches))
     out = []
-    for m in modules:
+    for m in progress(modules, f"{mode} removal importance", unit=mode):
         with skipped([m], mode):
             nll = _nll(model, batches)
         out.append(math.exp(min(nll, 80.0)) - base_ppl)

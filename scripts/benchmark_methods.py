@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,29 +38,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 
-# Options passed to `allocate` per allocation method; methods not listed get none. Extend here. A value
-# may also be a callable (model, calibration_batches) -> dict, for allocations that need data.
-def _layer_scores(measure: str) -> Callable[..., dict]:
-    """Layer importance of the dense model on the first 4 calibration batches (as the method presets do)."""
-
-    def opts(model, calib) -> dict:
-        from prunelight.layer_importance import layer_importances
-
-        return {"layer_scores": layer_importances(model, calib[:4], [measure])[measure]}
-
-    return opts
+ROOT = Path(__file__).resolve().parents[1]
+# Each allocation runs with the `prune:` settings of its method preset (configs/methods/*.yaml), so the
+# table measures what `prunelight fit --config ... --config configs/methods/X.yaml` does.
+PRESETS = {"global": "taylor", "layerwise": "layerwise", "blockwise": "blockwise", "depth": "depth"}
+# Blockwise ranks sub-blocks by the criterion's own unit scores here, so the table compares criteria rather
+# than the preset's removal measure.
+OVERRIDES = {"blockwise": {"block_importance": "units"}}
 
 
-# Options per allocation, as in configs/methods/*.yaml; blockwise ranks sub-blocks by the criterion's own
-# unit scores (block_importance: units) so the table compares criteria, not the removal measure.
-ALLOCATION_ARGS: dict[str, dict | Callable[..., dict]] = {
-    "global": {},
-    "uniform": {},
-    "layerwise": lambda model, calib: {**_layer_scores("removal")(model, calib), "strategy": "inverse", "alpha": 1.0,
-                                       "importance_scale": "rank", "freeze_top_n": 1, "rate_range": (0.0, 0.8)},
-    "blockwise": {"fill_width": True},
-    "depth": lambda model, calib: {**_layer_scores("block_influence")(model, calib), "fill_width": True},
-}
+def allocation_settings(method: str, criterion: str, criterion_args: dict, ratio: float, extra: dict):
+    """The PruneSettings of one table cell: the method's preset, then the overrides and --allocation-args."""
+    import yaml
+
+    from prunelight.settings import PruneSettings
+
+    prune = {}
+    if method in PRESETS:
+        prune = yaml.safe_load((ROOT / "configs" / "methods" / f"{PRESETS[method]}.yaml").read_text())["prune"]
+    prune.update(OVERRIDES.get(method, {}))
+    prune.update(extra)
+    prune.update(allocation=method, criterion=criterion, criterion_args=criterion_args, ratio=ratio)
+    return PruneSettings(**prune)
 
 
 def _allocations() -> list[str]:
@@ -103,11 +101,12 @@ def prepare_data(args: argparse.Namespace, data_file: Path) -> dict:
 
 def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
-    from prunelight.allocation import allocate
+    from prunelight.allocation import allocate, precheck
     from prunelight.calibration import run_calibration
     from prunelight.evaluation.efficiency import PeakMemory
     from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
+    from prunelight.layer_importance import layer_importances
     from prunelight.surgery import apply_plan
 
     device = torch.device(args.device)
@@ -121,7 +120,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         result["rows"].append({"allocation": "-", "ppl": ppl["ppl"], "eval_tokens": ppl["tokens"], "params_removed": 0})
         return result
 
-    criterion = build_criterion(args.worker, **json.loads(args.criterion_args).get(args.worker, {}))
+    criterion_args = json.loads(args.criterion_args).get(args.worker, {})
+    criterion = build_criterion(args.worker, **criterion_args)
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
         scores = run_calibration(model, calib if criterion.needs_data else [], criterion)
@@ -134,11 +134,13 @@ def run_worker(args: argparse.Namespace) -> dict:
     for method in args.allocations:
         row: dict = {"allocation": method}
         try:
-            base_opts = ALLOCATION_ARGS.get(method, {})
-            if callable(base_opts):
-                base_opts = base_opts(model, calib)
-            opts = {**base_opts, **extra_args.get(method, {})}
-            plan = allocate(model, scores, args.ratio, method, **opts)
+            settings = allocation_settings(method, args.worker, criterion_args, args.ratio,
+                                           extra_args.get(method, {}))
+            layer_scores = None
+            if method in ("layerwise", "depth"):  # measured on the dense model, as make_plan does
+                name = settings.layer_importance
+                layer_scores = layer_importances(model, calib[:settings.importance_batches], [name])[name]
+            plan = allocate(precheck(model, settings), scores, settings, layer_scores=layer_scores)
             pruned = copy.deepcopy(model)
             apply_plan(pruned, plan)
             ppl = evaluate_perplexity(pruned, evals)
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--criteria", default=",".join(CRITERIA), help="comma-separated names (default: all registered)")
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
-    p.add_argument("--allocation-args", default="{}", help='JSON, merged over ALLOCATION_ARGS: {"global": {...}}')
+    p.add_argument("--allocation-args", default="{}", help='JSON, prune settings merged over each preset: {"global": {...}}')
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)

@@ -1,6 +1,6 @@
 """Compare the method presets on equal terms: same model, ratio, calibration and evaluation data, no recovery.
 
-Reads each preset's PruningCallback settings from configs/methods/*.yaml, builds the plan with
+Reads each preset's `prune:` section from configs/methods/*.yaml, builds the plan with
 `prunelight.pipeline.make_plan` (exactly what `prunelight fit` does), cuts a copy of the model and
 prints parameters removed, pruned perplexity and wall times. Run from the repository root, alone:
 
@@ -23,22 +23,22 @@ from prunelight.allocation import count_params
 from prunelight.data import PruneDataModule, TextSource
 from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.pipeline import make_plan
+from prunelight.settings import PruneSettings
 from prunelight.surgery import apply_plan
 from prunelight.testing import shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PASS_THROUGH = ("min_groups", "min_channels", "layer_importance", "strategy", "alpha", "importance_scale", "freeze_top_n", "rate_range",
-                "attn_mlp_split", "align_channels", "block_importance", "fill_width", "split_step",
-                "split_fine_step", "split_patience")
 
 
-def preset_args(name: str) -> dict:
-    """The PruningCallback init_args of configs/methods/<name>.yaml."""
-    cfg = yaml.safe_load((ROOT / "configs" / "methods" / f"{name}.yaml").read_text())
-    for cb in cfg["trainer"]["callbacks"]:
-        if cb["class_path"].endswith("PruningCallback"):
-            return cb["init_args"]
-    raise ValueError(f"{name}.yaml has no PruningCallback")
+def preset_settings(name: str, ratio: float | None, importance_batches: int | None) -> PruneSettings:
+    """The `prune:` section of configs/methods/<name>.yaml (a fragment over a base config), with overrides."""
+    prune = yaml.safe_load((ROOT / "configs" / "methods" / f"{name}.yaml").read_text())["prune"]
+    prune["report_layer_importance"] = []  # only what the allocation needs: the table times the plan
+    if ratio is not None:
+        prune["ratio"] = ratio
+    if importance_batches is not None:
+        prune["importance_batches"] = importance_batches
+    return PruneSettings(**prune)
 
 
 def main() -> None:
@@ -69,15 +69,11 @@ def main() -> None:
     print("| method | allocation | ratio | params removed | layers dropped | pruned ppl | plan s | eval s |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
     for name in args.methods:
-        init = preset_args(name)
-        ratio = args.ratio or init.get("ratio", 0.2)
-        alloc_args = {k: init[k] for k in PASS_THROUGH if k in init}
-        alloc_args["report_layer_importance"] = []
+        settings = preset_settings(name, args.ratio, args.importance_batches)
+        ratio = settings.ratio
         work = copy.deepcopy(model)
         t0 = time.perf_counter()
-        plan, _ = make_plan(work, dm.calibration_batches(), ratio, init.get("criterion", "taylor"),
-                            init.get("criterion_args"), init.get("allocation", "global"), alloc_args,
-                            importance_batches=args.importance_batches or init.get("importance_batches"))
+        plan, _ = make_plan(work, dm.calibration_batches(), settings)
         t_plan = time.perf_counter() - t0
         apply_plan(work, plan)
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prunelight.console import progress
 from prunelight.data import TextSource
 from prunelight.evaluation.efficiency import efficiency_report
 from prunelight.evaluation.perplexity import PerplexityData, evaluate_perplexity_suite, resolve_sets
@@ -76,12 +77,21 @@ class Evaluator:
     def evaluate(self, model: nn.Module, name: str, folder: str | Path | None = None) -> dict:
         """All configured measurements of `model`; `folder` (when it exists) gives its size on disk."""
         s, out, times = self.settings, {}, {}
+        parts = int(s.perplexity) + int(s.zeroshot) + int(s.efficiency)
+        with progress(None, f"evaluating the {name} model", total=parts, unit="part") as bar:
+            self._evaluate(model, name, folder, out, times, bar)
+        out["times_s"] = times
+        return out
+
+    def _evaluate(self, model: nn.Module, name: str, folder, out: dict, times: dict, bar) -> None:
+        s = self.settings
         if s.perplexity:
             t0 = time.perf_counter()
             out["perplexity"] = evaluate_perplexity_suite(model, self.ppl_data(), s.ppl_batch_size)
             times["perplexity"] = time.perf_counter() - t0
             for r in out["perplexity"]:
                 log.info("%s ppl %s@%d = %.3f (%d tokens)", name, r["dataset"], r["seq_len"], r["ppl"], r["tokens"])
+            bar.update(1)
         if s.zeroshot:
             t0 = time.perf_counter()
             out["zeroshot"] = evaluate_zeroshot(
@@ -89,14 +99,14 @@ class Evaluator:
                 batch_size=s.zeroshot_batch_size, log_samples=s.log_samples)
             times["zeroshot"] = time.perf_counter() - t0
             log.info("%s zero-shot average acc %.4f", name, out["zeroshot"]["average"]["acc"])
+            bar.update(1)
         if s.efficiency:
             t0 = time.perf_counter()
             out["efficiency"] = efficiency_report(
                 model, folder, batch_size=s.speed_batch_size, prompt_len=s.speed_prompt_len,
                 new_tokens=s.speed_new_tokens, repeats=s.speed_repeats)
             times["efficiency"] = time.perf_counter() - t0
-        out["times_s"] = times
-        return out
+            bar.update(1)
 
 
 @torch.no_grad()
