@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import os
 import sys
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger
 
 from prunelight import _env
 from prunelight.callbacks import ExportCallback, PruningCallback
@@ -51,6 +53,9 @@ class PrunelightCLI(LightningCLI):
             ExportCallback(self._get(self.config_init, "export"), evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        if trainer_config.get("logger") in (None, True) and importlib.util.find_spec("tensorboard") is None:
+            # Lightning's own fallback, chosen here so it does not warn about tensorboardX on every run.
+            trainer_config["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".")
         return self._instantiate_trainer(trainer_config, list(self.job_callbacks))
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:

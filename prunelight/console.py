@@ -9,7 +9,9 @@ from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from tqdm.auto import tqdm
+# Not tqdm.auto: its asyncio wrapper calls iter() at construction, and an extra DataLoader iterator draws from
+# the global RNG, which would shift LoRA's initialisation after the cut.
+from tqdm import tqdm
 
 log = logging.getLogger("prunelight")
 

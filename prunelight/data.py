@@ -8,12 +8,26 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger(__name__)
+
+
+# How rows become one token stream: (separator between rows, add the tokenizer's special tokens once).
+STREAM_PROTOCOLS: dict[str, tuple[str, bool]] = {
+    # rows joined by newlines, no special tokens: local files, calibration and training text
+    "lines": ("\n", False),
+    # WikiText-2 / PTB as LLM-Pruner, Wanda and GPTQ measure them: tokenizer("\n\n".join(rows)), i.e. the
+    # tokenizer's BOS (when it adds one by default) once at the start of the whole stream
+    "paper": ("\n\n", True),
+    # C4 validation as Wanda and SparseGPT/GPTQ measure it: tokenizer(" ".join(rows))
+    "paper_c4": (" ", True),
+}
+StreamProtocol = Literal["lines", "paper", "paper_c4"]
 
 
 @dataclass
@@ -27,6 +41,11 @@ class TextSource:
     text_field: str = "text"
     max_tokens: int | None = None  # stop reading once this many tokens are available
     data_files: str | None = None  # hub dataset file(s) to read instead of the whole dataset (e.g. one C4 shard)
+    protocol: StreamProtocol = "lines"  # how rows become one token stream (STREAM_PROTOCOLS)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in STREAM_PROTOCOLS:
+            raise ValueError(f"protocol={self.protocol!r} is not allowed: use one of {', '.join(STREAM_PROTOCOLS)}")
 
     def describe(self) -> str:
         """Short human-readable identity for reports."""
@@ -73,18 +92,32 @@ class TextSource:
         raise ValueError("a text source needs either `path` (local files) or `dataset` (hub id)")
 
 
+def _special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds by default before and after a text (e.g. Llama's BOS; none for Qwen2)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []
+
+
 def tokenize_source(tokenizer, source: TextSource, chunk_lines: int = 2000) -> torch.Tensor:
-    """One long stream of token ids; documents are joined by blank lines, as in the usual WikiText protocol."""
+    """One long stream of token ids, rows joined as `source.protocol` says (tokenized in chunks of rows)."""
+    sep, special = STREAM_PROTOCOLS[source.protocol]
+    before, after = _special_tokens(tokenizer) if special else ([], [])
     lines = source.lines()
-    ids: list[int] = []
+    ids: list[int] = list(before)
     for start in range(0, len(lines), chunk_lines):
-        text = "\n".join(lines[start : start + chunk_lines])
+        text = sep.join(lines[start : start + chunk_lines])
         if start:
-            text = "\n" + text
+            text = sep + text
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if source.max_tokens and len(ids) >= source.max_tokens:
-            ids = ids[: source.max_tokens]
             break
+    ids.extend(after)
+    if source.max_tokens:
+        ids = ids[: source.max_tokens]
     return torch.tensor(ids, dtype=torch.long)
 
 

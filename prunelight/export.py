@@ -18,7 +18,11 @@ REMOTE_CODE_FILE = "modeling_prunelight.py"
 
 
 def export_config(model: nn.Module):
-    """The config to save: stock when every layer has the same shape (and stock validation accepts it), else pruned."""
+    """The config to save: stock when every layer has the same shape (and stock validation accepts it), else pruned.
+
+    A model whose o_proj/down_proj gained biases (`output_bias`, reconstruction) always gets the pruned type:
+    the stock config can state an o_proj bias only together with q/k/v biases.
+    """
     base = unwrap(model)
     family = get_family(base)
     shapes = family.layer_shapes(base)
@@ -26,7 +30,8 @@ def export_config(model: nn.Module):
     data["head_dim"] = family.head_dim(base.config)
     for key in ("layer_shapes", "auto_map", "model_type", "architectures", "transformers_version"):
         data.pop(key, None)
-    if len(set(shapes)) == 1 and shapes[0].num_attention_heads > 0 and shapes[0].intermediate_size > 0:
+    uniform = len(set(shapes)) == 1 and shapes[0].num_attention_heads > 0 and shapes[0].intermediate_size > 0
+    if uniform and not data.get("output_bias"):
         try:
             return family.config_class(**{**data, **shapes[0].as_dict()}, architectures=[family.model_class.__name__])
         except Exception as err:  # noqa: BLE001 - huggingface_hub raises its own validation error class

@@ -263,6 +263,23 @@ class ModelFamily:
         """Whether gate/up/down carry biases."""
         return self.mlp_bias == "config" and bool(getattr(config, "mlp_bias", False))
 
+    # --- output biases (reconstruction): o_proj and down_proj, the projections reading the units -------
+    def output_bias(self, layer: nn.Module, kind: str) -> nn.Parameter:
+        """The bias of a sub-block's output projection (o_proj / down_proj), created as zeros if it has none."""
+        block = self.sub_block(layer, kind)
+        return modeling.ensure_bias(block, self.o_name if kind == "attn" else self.down_name).bias
+
+    def add_output_biases(self, model: nn.Module) -> None:
+        """Give every remaining o_proj and down_proj a bias and, unless the config already states both, record
+        `output_bias` in it so export (prunelight config type) and reload build them."""
+        config = unwrap(model).config
+        for layer in self.layers(model):
+            for kind in KINDS:
+                if self.sub_block(layer, kind) is not None:
+                    self.output_bias(layer, kind)
+        if not (self.has_attn_bias(config)[1] and self.has_mlp_bias(config)):
+            modeling.set_output_bias(config)
+
     # --- ownership: the one statement of which slices a unit owns ----------------------------
     def unit_layout(self, config, shape: LayerShape) -> list[OwnedSlice]:
         """Every tensor slice the units of a layer of `shape` own, attention first, in a fixed order.

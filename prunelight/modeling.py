@@ -6,7 +6,8 @@ next to the weights as `modeling_prunelight.py`, so a pruned folder loads with
 prunelight, and `import prunelight` registers the same classes so no remote code is needed there.
 
 The config keeps the stock fields and adds `layer_shapes`: one
-`{num_attention_heads, num_key_value_heads, intermediate_size}` per layer (0 = sub-block removed).
+`{num_attention_heads, num_key_value_heads, intermediate_size}` per layer (0 = sub-block removed),
+and `output_bias: true` when reconstruction gave every o_proj and down_proj a bias.
 The model subclass builds the stock layers, then resizes each one in `__init__`, before any
 weight is loaded, so the stock loading machinery (dtype, device maps, sharding, tied weights)
 handles the rest unchanged.
@@ -35,8 +36,9 @@ from transformers import (
 class RemovedAttention(nn.Module):
     """Stands in for an attention sub-block removed by pruning: adds nothing to the residual.
 
-    It still appends a zero-head entry to the KV cache so the cache's sequence length (which
-    transformers reads from layer 0 to place new tokens) stays right when layer 0 lost its attention.
+    It still appends a placeholder to its KV-cache slot, one tiny entry per token, so the cache's
+    sequence length stays right: transformers reads it from layer 0 (the first full-attention layer) to
+    place new tokens (positions, cache_position) and to size the attention mask of every layer.
     """
 
     def __init__(self, layer_idx: int | None = None) -> None:
@@ -47,8 +49,11 @@ class RemovedAttention(nn.Module):
         cache = kwargs.get("past_key_values")
         if cache is not None and self.layer_idx is not None and hasattr(cache, "update"):
             b, t = hidden_states.shape[:2]
-            empty = hidden_states.new_zeros(b, 0, t, 1)
-            cache.update(empty, empty, self.layer_idx)
+            # One head of width 1 per token: a zero-size tensor would read as an empty cache (DynamicLayer's
+            # get_seq_length returns 0 when keys.numel() == 0), and the batch dimension keeps beam search and
+            # batch selection working. Cost: 2 * batch * seq values per removed attention.
+            placeholder = hidden_states.new_zeros(b, 1, t, 1)
+            cache.update(placeholder, placeholder, self.layer_idx)
         return torch.zeros_like(hidden_states), None
 
 
@@ -108,6 +113,29 @@ def keep_config_layers(config, kept: list[int]) -> None:
         config.layer_types = [config.layer_types[i] for i in kept]
 
 
+def ensure_bias(parent: nn.Module, name: str) -> nn.Linear:
+    """`parent.<name>` (a Linear) with a bias: a zero bias is registered in place when it has none."""
+    linear = getattr(parent, name)
+    if linear.bias is None:
+        w = linear.weight
+        linear.bias = nn.Parameter(torch.zeros(linear.out_features, device=w.device, dtype=w.dtype),
+                                   requires_grad=w.requires_grad)
+    return linear
+
+
+def add_output_biases(layer: nn.Module) -> None:
+    """Give a decoder layer's o_proj and down_proj a bias (reconstruction writes into it; see `output_bias`)."""
+    if not isinstance(layer.self_attn, RemovedAttention):
+        ensure_bias(layer.self_attn, "o_proj")
+    if not isinstance(layer.mlp, RemovedMLP):
+        ensure_bias(layer.mlp, "down_proj")
+
+
+def set_output_bias(config) -> None:
+    """State in the config that every o_proj and down_proj has a bias (the stock config cannot say so)."""
+    config.output_bias = True
+
+
 def record_layer_shapes(config, head_dim: int, shapes: list[dict]) -> None:
     """Store per-layer shapes in the config, with head_dim explicit (hidden / heads no longer gives it)."""
     if not getattr(config, "head_dim", None):
@@ -151,23 +179,27 @@ def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
 
 
 class _PrunedMixin:
-    """Resizes every layer to `config.layer_shapes` right after the stock constructor."""
+    """Resizes every layer to `config.layer_shapes` (and adds the `output_bias` biases) right after the stock
+    constructor, before any weight is loaded."""
 
     def _resize_to_layer_shapes(self) -> None:
         shapes = getattr(self.config, "layer_shapes", None)
-        if not shapes:
-            return
         layers = self.model.layers
-        if len(shapes) != len(layers):
-            raise ValueError(f"config.layer_shapes has {len(shapes)} entries for {len(layers)} layers")
-        head_dim = self.config.head_dim
-        for layer, shape in zip(layers, shapes):
-            resize_decoder_layer(layer, shape, head_dim)
+        if shapes:
+            if len(shapes) != len(layers):
+                raise ValueError(f"config.layer_shapes has {len(shapes)} entries for {len(layers)} layers")
+            head_dim = self.config.head_dim
+            for layer, shape in zip(layers, shapes):
+                resize_decoder_layer(layer, shape, head_dim)
+        if getattr(self.config, "output_bias", False):
+            for layer in layers:
+                add_output_biases(layer)
 
 
 class PrunedLlamaConfig(LlamaConfig):
     model_type = "prunelight_llama"
     layer_shapes: list | None = None
+    output_bias: bool = False
 
     def validate_architecture(self):
         # Per-layer head counts need not divide hidden_size: head_dim is explicit.
@@ -178,11 +210,13 @@ class PrunedLlamaConfig(LlamaConfig):
 class PrunedMistralConfig(MistralConfig):
     model_type = "prunelight_mistral"
     layer_shapes: list | None = None
+    output_bias: bool = False
 
 
 class PrunedQwen2Config(Qwen2Config):
     model_type = "prunelight_qwen2"
     layer_shapes: list | None = None
+    output_bias: bool = False
 
 
 class PrunedLlamaForCausalLM(_PrunedMixin, LlamaForCausalLM):

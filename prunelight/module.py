@@ -63,6 +63,7 @@ class PruneLM(L.LightningModule):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.plan: PrunePlan | None = None
+        self.reconstructed = False  # True once prune.reconstruct changed the cut weights (not `pretrained` + plan)
         self.pretrained_is_pruned = False  # True when `pretrained` already holds the cut weights (DeepSpeed hand-off)
         self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
@@ -155,6 +156,17 @@ class PruneLM(L.LightningModule):
         apply_plan(self.base_model, plan)
         self.plan = plan
 
+    def apply_plan_reconstructed(self, plan: PrunePlan, batches, settings: PruneSettings, reduce_sum=None) -> dict:
+        """Cut the model to `plan` and repair it on calibration `batches` (prune.reconstruct); returns its figures."""
+        from prunelight.reconstruct import cut_and_reconstruct
+
+        if self.plan is not None:
+            raise RuntimeError("the model is already pruned; a second plan would use stale indices")
+        figures = cut_and_reconstruct(self.base_model, plan, batches, settings, reduce_sum)
+        self.plan = plan
+        self.reconstructed = settings.reconstruct != "none"
+        return figures
+
     def start_recovery(self) -> None:
         """Prepare the cut model for recovery: LoRA adapters, full fine-tuning, or nothing to train."""
         if self.recovery == "lora" and not self.lora_active:
@@ -221,10 +233,13 @@ class PruneLM(L.LightningModule):
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _frozen_weights_reproducible(self) -> bool:
-        """True when the frozen base weights equal `pretrained` cut by the plan, so checkpoints may omit them."""
+        """True when the frozen base weights equal `pretrained` cut by the plan, so checkpoints may omit them.
+
+        Not after reconstruction: the refitted weights and added biases exist only in this process.
+        """
         cal = self.record.calibration
         cut_before_training = self.pretrained_is_pruned or (cal is not None and cal.prune_step == 0)
-        return self.lora_active and self.model_config is None and cut_before_training
+        return self.lora_active and self.model_config is None and cut_before_training and not self.reconstructed
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         weights = "all"
@@ -239,6 +254,8 @@ class PruneLM(L.LightningModule):
             "lora": self.lora.as_dict() if self.lora_active else None,
             "weights": weights,
             "report": self.record.to_dict(),
+            "reconstructed": self.reconstructed,
+            "output_bias": bool(getattr(self.base_model.config, "output_bias", False)),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -250,6 +267,9 @@ class PruneLM(L.LightningModule):
         self.configure_model()
         if state.get("plan") and self.plan is None:
             self.apply_plan(PrunePlan.from_dict(state["plan"]))
+        if state.get("output_bias") and not getattr(self.base_model.config, "output_bias", False):
+            get_family(self.base_model).add_output_biases(self.base_model)  # reconstruction's biases, before LoRA wraps
+        self.reconstructed = bool(state.get("reconstructed", False))
         if state.get("lora") and not self.lora_active:
             self.lora = LoRASettings(**state["lora"])
             self.recovery = "lora"

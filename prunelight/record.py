@@ -50,6 +50,7 @@ class RunRecord:
     params_after: int | None = None
     layers: list[dict[str, int]] | None = None  # per-layer shapes after the cut
     prune_plan: dict[str, Any] | None = None  # kept units per layer (PrunePlan.to_dict without meta)
+    reconstruction: dict[str, Any] | None = None  # prune.reconstruct figures: output error before/after per sub-block
     # recover
     recovery: RecoveryRecord | None = None
     # evaluate

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from prunelight.evaluation.suite import EvaluationSettings
 from prunelight.importance import CRITERIA, build_criterion
 from prunelight.layer_importance import LAYER_IMPORTANCE
+from prunelight.reconstruct import RECONSTRUCTIONS
 
 # Choice lists are owned by the modules that implement them; Literal[...] makes `--help` list them.
 ALLOCATIONS = ("global", "uniform", "layerwise", "blockwise", "depth")
@@ -29,6 +30,7 @@ LayerImportanceName = Literal[LAYER_IMPORTANCE]  # type: ignore[valid-type]
 RateStrategy = Literal[RATE_STRATEGIES]  # type: ignore[valid-type]
 ImportanceScale = Literal[IMPORTANCE_SCALES]  # type: ignore[valid-type]
 BlockImportance = Literal[BLOCK_IMPORTANCE]  # type: ignore[valid-type]
+ReconstructionName = Literal[RECONSTRUCTIONS]  # type: ignore[valid-type]
 
 
 class SettingsError(ValueError):
@@ -144,6 +146,13 @@ class PruneSettings:
     report_layer_importance: list[LayerImportanceName] = field(
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
+    reconstruct: ReconstructionName = "none"
+    """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
+    contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns).
+    Not available under DeepSpeed (docs/methods.md, Reconstruction)."""
+    reconstruct_ridge: float = 1e-2
+    """least_squares damping λ as a fraction of the mean diagonal of X_KᵀX_K (SparseGPT's percdamp convention);
+    it shrinks the refit toward the cut weights, so the calibration error never rises."""
 
     def __post_init__(self) -> None:
         _number("prune.ratio", self.ratio, 0.0, 1.0, True, True)
@@ -185,6 +194,9 @@ class PruneSettings:
         self.report_layer_importance = list(dict.fromkeys(self.report_layer_importance or []))
         for name in self.report_layer_importance:
             _choice("prune.report_layer_importance", name, LAYER_IMPORTANCE)
+        _choice("prune.reconstruct", self.reconstruct, RECONSTRUCTIONS)
+        _number("prune.reconstruct_ridge", self.reconstruct_ridge, 0.0, math.inf, True, True)
+        self.reconstruct_ridge = float(self.reconstruct_ridge)
 
     @property
     def attn_share(self) -> float | None:

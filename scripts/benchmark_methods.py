@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -107,7 +108,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
     from prunelight.layer_importance import layer_importances
-    from prunelight.surgery import apply_plan
+    from prunelight.reconstruct import cut_and_reconstruct
 
     device = torch.device(args.device)
     model = _load_model(args.model, device)
@@ -141,17 +142,25 @@ def run_worker(args: argparse.Namespace) -> dict:
                 name = settings.layer_importance
                 layer_scores = layer_importances(model, calib[:settings.importance_batches], [name])[name]
             plan = allocate(precheck(model, settings), scores, settings, layer_scores=layer_scores)
-            pruned = copy.deepcopy(model)
-            apply_plan(pruned, plan)
-            ppl = evaluate_perplexity(pruned, evals)
-            row.update(
-                ppl=ppl["ppl"],
-                eval_tokens=ppl["tokens"],
-                params_removed=plan.meta["params_removed"],
-                removed_fraction=plan.meta["removed_fraction_total"],
-                params_after=sum(p.numel() for p in pruned.parameters()),
-            )
-            del pruned
+            modes = ["none"] + (args.reconstruct if method in args.reconstruct_allocations else [])
+            for mode in modes:
+                label = method if mode == "none" else f"{method}+{mode}"
+                row = {"allocation": label}
+                pruned = copy.deepcopy(model)
+                t0 = time.perf_counter()
+                cut_and_reconstruct(pruned, plan, calib, dataclasses.replace(settings, reconstruct=mode))
+                ppl = evaluate_perplexity(pruned, evals)
+                row.update(
+                    ppl=ppl["ppl"],
+                    eval_tokens=ppl["tokens"],
+                    params_removed=plan.meta["params_removed"],
+                    removed_fraction=plan.meta["removed_fraction_total"],
+                    params_after=sum(p.numel() for p in pruned.parameters()),
+                    cut_s=time.perf_counter() - t0,
+                )
+                del pruned
+                result["rows"].append(row)
+            continue
         except Exception as err:  # noqa: BLE001 - reported in the table; must not void a long run
             row["error"] = f"{type(err).__name__}: {err}"
         result["rows"].append(row)
@@ -196,7 +205,8 @@ def _markdown(meta: dict, results: list[dict]) -> str:
 
 def _pivot(meta: dict, results: list[dict]) -> list[str]:
     """The same numbers as one row per criterion: perplexity per allocation, scoring time and memory."""
-    allocs = list(meta["allocations"])
+    allocs = list(meta["allocations"]) + [f"{a}+{m}" for a in meta.get("reconstruct_allocations", [])
+                                          for m in meta.get("reconstruct", [])]
     dense = next((r["rows"][0]["ppl"] for r in results if r["criterion"] == "dense" and r["rows"]), None)
     lines = [f"WikiText-2 perplexity after removing {meta['ratio']:.0%} of parameters (dense: "
              f"{'n/a' if dense is None else f'{dense:.2f}'}); a `*` marks a plan more than 0.5% of the model off "
@@ -227,7 +237,8 @@ def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: 
         "--model", str(args.model), "--ratio", str(args.ratio), "--batch-size", str(args.batch_size),
         "--eval-batch-size", str(args.eval_batch_size), "--device", args.device, "--threads", str(args.threads),
         "--allocations", ",".join(args.allocations), "--criterion-args", args.criterion_args,
-        "--allocation-args", args.allocation_args,
+        "--allocation-args", args.allocation_args, "--reconstruct", ",".join(args.reconstruct),
+        "--reconstruct-allocations", ",".join(args.reconstruct_allocations),
     ]  # fmt: skip
 
 
@@ -246,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
     p.add_argument("--allocation-args", default="{}", help='JSON, prune settings merged over each preset: {"global": {...}}')
+    p.add_argument("--reconstruct", default="bias,least_squares",
+                   help="reconstructions measured besides none (comma-separated; '' for none)")
+    p.add_argument("--reconstruct-allocations", default="global", help="allocations that get reconstruction rows")
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)
@@ -265,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED)")
     torch.set_num_threads(args.threads)
     args.allocations = args.allocations.split(",") if args.allocations else _allocations()
+    args.reconstruct = [m for m in args.reconstruct.split(",") if m]
+    args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
 
     if args.worker:
         atomic_write_json(args.worker_out, run_worker(args))
@@ -320,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
         "allocations": args.allocations,
+        "reconstruct": args.reconstruct,
+        "reconstruct_allocations": args.reconstruct_allocations,
         "criterion_args": json.loads(args.criterion_args),
         **data_meta,
     }

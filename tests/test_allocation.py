@@ -42,7 +42,8 @@ def _cut(model, plan) -> int:
 
 
 def _max_unit(budget) -> int:
-    return max(budget.g_cost, budget.c_cost)
+    """The budget tolerance: one MLP channel (a GQA group that would overshoot is swapped for channels)."""
+    return budget.c_cost
 
 
 @pytest.mark.parametrize("strategy", ["inverse", "proportional", "uniform"])
@@ -104,7 +105,7 @@ def test_attention_mlp_split(setup, split, share):
     plan = allocate_flat(model, scores, 0.3, "global", attn_share=parse_split(split))
     attn = plan.removed_counts()[0] * budget.g_cost
     assert abs(attn - share * budget.target) <= budget.g_cost
-    assert plan.meta["params_removed"] >= budget.target
+    assert budget.target <= plan.meta["params_removed"] < budget.target + budget.c_cost  # the MLP takes the rest
 
 
 def test_alignment_keeps_multiples_and_budget(setup):
@@ -115,7 +116,7 @@ def test_alignment_keeps_multiples_and_budget(setup):
     assert all(k % 16 == 0 and k >= 16 for k in kept), kept
     assert len(set(kept)) > 1  # rebalanced per layer, not one uniform width
     removed = _cut(model, plan)
-    assert budget.target <= removed < budget.target + 16 * budget.c_cost + budget.g_cost
+    assert budget.target <= removed < budget.target + 16 * budget.c_cost  # within one aligned step
 
 
 def test_blockwise_removes_subblocks_then_width(setup):
@@ -253,7 +254,7 @@ def test_method_presets_are_fragments_over_a_base_config(method, allocation, cap
 
 
 def test_layerwise_on_reference_model(ref_model_dir):
-    """The real 8-layer model: measured block influence, inverse rates, budget met within one unit."""
+    """The real 8-layer model: measured block influence, inverse rates, budget met within one channel."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()

@@ -42,7 +42,9 @@ def test_help_lists_the_prune_section_with_allowed_values(capsys):
         cli_main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "--prune.ratio" in out
-    assert "--prune.criterion {taylor,taylor_weight,fisher" in out
+    from prunelight.importance import CRITERIA
+
+    assert "--prune.criterion {" + ",".join(CRITERIA) + "}" in out
     assert "--prune.allocation {global,uniform,layerwise,blockwise,depth}" in out
     assert "--prune.attn_mlp_split" in out and "--export.out_dir" in out and "--evaluation.suite" in out
 

@@ -106,3 +106,66 @@ def test_hub_defaults_name_what_they_read():
     assert sets["wikitext2"].describe() == "Salesforce/wikitext/wikitext-2-raw-v1:test"
     assert sets["ptb"].split == "test" and sets["c4"].split == "validation"
     assert sets["c4"].data_files.endswith("c4-validation.00000-of-00008.json.gz")  # one shard, not all of C4
+
+
+def _byte_tokenizer(bos: bool):
+    """A small byte-level BPE (keeps newlines, decodes losslessly); `bos`: it adds <s> by default, like Llama's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox\n\njumps over the lazy dog\n"] * 20, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def _rows(tmp_path):
+    files = write_tiny_corpus(tmp_path, lines=30)
+    return str(files["test"]), files["test"].read_text().splitlines()
+
+
+@pytest.mark.parametrize("chunk_lines", [2000, 7])
+def test_paper_protocol_one_bos_and_blank_line_joins(tmp_path, chunk_lines):
+    path, rows = _rows(tmp_path)
+    tok = _byte_tokenizer(bos=True)
+    ids = tokenize_source(tok, TextSource(path=path, protocol="paper"), chunk_lines=chunk_lines).tolist()
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # one BOS for the whole stream
+    assert tok.decode(ids[1:]) == "\n\n".join(rows)
+    if chunk_lines == 2000:  # one chunk: exactly what the papers' tokenizer("\n\n".join(rows)) gives
+        assert ids == tok("\n\n".join(rows))["input_ids"]
+
+
+def test_paper_protocol_adds_only_what_the_tokenizer_adds(tmp_path):
+    """A tokenizer that adds no BOS by default (Qwen2's) gets none: the papers' code would add none either."""
+    path, rows = _rows(tmp_path)
+    tok = _byte_tokenizer(bos=False)
+    ids = tokenize_source(tok, TextSource(path=path, protocol="paper")).tolist()
+    assert tok.bos_token_id not in ids and ids == tok("\n\n".join(rows))["input_ids"]
+
+
+def test_local_files_keep_the_lines_protocol(tmp_path):
+    path, rows = _rows(tmp_path)
+    tok = _byte_tokenizer(bos=True)
+    src = resolve_sets({"local": {"path": path}})["local"]
+    assert src.protocol == "lines"
+    ids = tokenize_source(tok, src).tolist()
+    assert tok.bos_token_id not in ids
+    assert ids == tok("\n".join(rows), add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="protocol='wanda' is not allowed: use one of lines, paper, paper_c4"):
+        TextSource(path=path, protocol="wanda")
+
+
+def test_hub_defaults_use_the_paper_protocol_and_records_name_it(tmp_path):
+    sets = resolve_sets(["wikitext2", "ptb", "c4"])
+    assert {k: v.protocol for k, v in sets.items()} == {"wikitext2": "paper", "ptb": "paper", "c4": "paper_c4"}
+    path, _ = _rows(tmp_path)
+    tok = tiny_tokenizer()
+    data = PerplexityData.build(tok, {"lines": TextSource(path=path), "paper": TextSource(path=path, protocol="paper")},
+                                seq_lens=[16], max_windows=2)
+    recs = evaluate_perplexity_suite(tiny_model("llama"), data)
+    assert [(r["dataset"], r["protocol"]) for r in recs] == [("lines", "lines"), ("paper", "paper")]

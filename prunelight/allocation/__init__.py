@@ -8,6 +8,11 @@
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
 Any of them can split the budget x:y between attention and MLP (global, layerwise) and round kept
 MLP channels to a hardware-friendly multiple.
+
+Budget: global, layerwise, blockwise and depth (with fill_width) remove target <= P < target + c_cost
+(one MLP channel); uniform keeps equal layer shapes, so target <= P < target + num_layers * c_cost;
+align_channels=m gives target <= P < target + m * c_cost; blockwise/depth without fill_width remove
+whole structures only (within one structure).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from prunelight.allocation.budget import (
     decoder_params,
     make_budget,
     plan_meta,
+    true_up,
 )
 from prunelight.allocation.layerwise import layer_rates, layerwise_width
 from prunelight.allocation.structural import blockwise, depth
@@ -112,6 +118,9 @@ def allocate(
     if settings.align_channels > 1:
         removed = _align(scores, budget, removed, settings.align_channels, fixed=drop)
         extra["align_channels"] = settings.align_channels
+    elif method != "uniform" and (settings.fill_width or method not in ("blockwise", "depth")):
+        # Count the sub-blocks' biases and layers' norms the fills did not see; land within one channel.
+        removed = true_up(scores, budget, removed, drop)
     plan = build_plan(budget, removed, drop)
     plan.meta = {**extra, **plan_meta(budget, plan)}
     return plan

@@ -4,12 +4,13 @@ GPU matmul kernels run best when matrix sides are multiples of 64/128; a layer l
 channels is slower per parameter than one with 1024. Alignment rounds each layer's kept count to
 the nearest multiple (never below one multiple unless the sub-block is removed), then moves whole
 steps between layers (cheapest importance per parameter first) until the total is within one
-step above the target.
+step above the target: target <= removed < target + multiple * c_cost (one aligned step is the finest
+move that keeps every count a multiple).
 """
 
 from __future__ import annotations
 
-from prunelight.allocation.budget import Budget, Removed
+from prunelight.allocation.budget import Budget, Removed, build_plan, plan_params_removed
 from prunelight.importance.base import UnitScores
 
 
@@ -33,8 +34,10 @@ def align_channels(
     for i in live:
         k = budget.n_chans[i] - len(removed["mlp"][i])
         keep[i] = min(max(int(round(k / multiple)) * multiple, multiple), top[i])
-    others = sum(len(s) for s in removed["attn"]) * budget.g_cost + sum(
-        len(removed["mlp"][i]) for i in range(n) if i not in keep) * budget.c_cost
+    # Everything but the live layers' channels, counted exactly (biases of emptied sub-blocks, norms of dropped
+    # layers): a live layer keeps at least one step of channels, so those never change here.
+    exact = plan_params_removed(budget, build_plan(budget, removed, set(fixed)))
+    others = exact - sum(len(removed["mlp"][i]) for i in live) * budget.c_cost
     step = multiple * budget.c_cost
 
     def total() -> int:

@@ -126,22 +126,41 @@ def units(scores: UnitScores, budget: Budget, kinds=("attn", "mlp"), layers=None
     return out
 
 
+def _take(removed: Removed, limits: dict[str, list[int]], kind: str, i: int, j: int) -> bool:
+    """Whether unit (kind, i, j) may still be removed."""
+    return j not in removed[kind][i] and len(removed[kind][i]) < limits[kind][i]
+
+
 def fill(candidates: list[Unit], target: int, removed: Removed, limits: dict[str, list[int]], total: int,
-         nearest: bool = False) -> int:
+         nearest: bool = False, step: int = 0) -> int:
     """Remove candidates in order until `target` parameters are gone; returns the new total.
 
-    `nearest` takes a unit only when that brings the total closer to the target (used for per-layer
-    quotas, where overshooting one layer by a whole GQA group would starve the others).
+    `step` > 0 passes over a unit that would overshoot the target by `step` or more (a GQA group
+    crossing it) in favour of cheaper units further down the order; passed-over units are taken, in
+    order, only when the cheaper ones cannot reach the target. `nearest` takes a unit only when that
+    brings the total closer to the target (used for per-layer quotas, where overshooting one layer by
+    a whole GQA group would starve the others).
     """
-    for _, kind, i, j, cost in candidates:
+    passed: list[Unit] = []
+    for unit in candidates:
+        _, kind, i, j, cost = unit
         if total >= target:
             break
-        if j in removed[kind][i] or len(removed[kind][i]) >= limits[kind][i]:
+        if not _take(removed, limits, kind, i, j):
             continue
         if nearest and total + cost - target > target - total:
             continue
+        if step and total + cost - target >= step:
+            passed.append(unit)
+            continue
         removed[kind][i].add(j)
         total += cost
+    for _, kind, i, j, cost in passed:
+        if total >= target:
+            break
+        if _take(removed, limits, kind, i, j):
+            removed[kind][i].add(j)
+            total += cost
     return total
 
 
@@ -152,6 +171,45 @@ def trim(candidates: list[Unit], target: int, removed: Removed, total: int) -> i
             removed[kind][i].discard(j)
             total -= cost
     return total
+
+
+def meet(candidates: list[Unit], target: int, removed: Removed, limits: dict[str, list[int]], total: int,
+         step: int) -> int:
+    """Bring `total` to within [target, target + step): fill from below, trim from above; returns the new total.
+
+    Filling passes over units that would overshoot by `step` or more; trimming gives back the most
+    important removed units. If only coarse units are left to give back, the most important of them is
+    swapped for cheaper ones. Each unit must change the total by exactly its cost (no sub-block emptied).
+    """
+    total = fill(candidates, target, removed, limits, total, step=step)
+    total = trim(candidates, target, removed, total)
+    if total - target >= step:
+        taken = [u for u in reversed(candidates) if u[3] in removed[u[1]][u[2]]]
+        if taken:
+            _, kind, i, j, cost = taken[0]
+            removed[kind][i].discard(j)
+            total = fill(candidates, target, removed, limits, total - cost, step=step)
+            total = trim(candidates, target, removed, total)
+    return total
+
+
+def true_up(scores: UnitScores, budget: Budget, removed: Removed, drop: set[int] | None = None) -> Removed:
+    """Count the plan exactly and move units of live sub-blocks until target <= removed < target + c_cost.
+
+    Width fills count unit costs only; emptying a sub-block also removes its biases, and emptying a
+    layer its norms. This pass counts those, then fills or gives back units that keep every live
+    sub-block non-empty (so each moves the count by exactly its cost), channels being the fine step.
+    """
+    plan = build_plan(budget, removed, drop)
+    total = plan_params_removed(budget, plan)
+    gone = set(plan.drop_layers)
+    live = {k: {i for i in range(budget.num_layers) if i not in gone and len(removed[k][i]) < budget.sizes(k)[i]}
+            for k in ("attn", "mlp")}
+    lim = {k: [min(m, n - 1) if i in live[k] else 0 for i, (m, n) in enumerate(zip(budget.limits(k), budget.sizes(k)))]
+           for k in ("attn", "mlp")}
+    cands = [u for u in units(scores, budget) if u[2] in live[u[1]]]
+    meet(cands, budget.target, removed, lim, total, budget.c_cost)
+    return removed
 
 
 def build_plan(budget: Budget, removed: Removed, drop: set[int] | None = None) -> PrunePlan:

@@ -6,7 +6,7 @@ or 1 (`uniform`). Rates are
 r_i = clip(c * w_i, lo, hi_i) with c found by bisection so that sum_i r_i * P_i equals the target
 (P_i: the layer's prunable parameters; hi_i also respects min_groups/min_channels). The `freeze_top_n`
 most important layers get rate 0. Rounding to whole units is corrected globally at the end so the
-budget is met within one unit.
+budget is met within one MLP channel.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, trim, units
+from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, meet, trim, units
 from prunelight.allocation.width import kind_targets, limits
 from prunelight.importance.base import UnitScores
 from prunelight.settings import LayerRates
@@ -90,11 +90,18 @@ def layerwise_width(
                 share = targets[kind] / budget.target
                 fill(units(scores, budget, kinds=(kind,), layers={i}), int(round(share * quota)), removed, lim, 0,
                      nearest=True)
-    # Whole-unit rounding in each layer leaves the total a little off: correct it over the unfrozen layers.
-    groups = [(("attn", "mlp"), budget.target)] if targets is None else [((k,), t) for k, t in targets.items()]
-    for kinds, target in groups:
-        cands = units(scores, budget, kinds=kinds, layers=set(active))
-        total = sum(len(s) * budget.cost(k) for k in kinds for s in removed[k])
-        total = trim(cands, target, removed, total)
-        fill(cands, target, removed, lim, total)
+    # Whole-unit rounding in each layer leaves the total a little off: correct it over the unfrozen layers,
+    # to within one channel (a split: attention to the nearest group, the MLP exactly the rest).
+    def done(kinds) -> int:
+        return sum(len(s) * budget.cost(k) for k in kinds for s in removed[k])
+
+    if targets is None:
+        meet(units(scores, budget, layers=set(active)), budget.target, removed, lim, done(("attn", "mlp")),
+             budget.c_cost)
+    else:
+        cands = units(scores, budget, kinds=("attn",), layers=set(active))
+        total = trim(cands, targets["attn"], removed, done(("attn",)))
+        fill(cands, targets["attn"], removed, lim, total, nearest=targets["mlp"] > 0)
+        meet(units(scores, budget, kinds=("mlp",), layers=set(active)), budget.target - done(("attn",)), removed,
+             lim, done(("mlp",)), budget.c_cost)
     return removed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, lowest, units
+from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, lowest, meet, units
 from prunelight.importance.base import UnitScores
 
 
@@ -33,27 +33,40 @@ def global_width(scores: UnitScores, budget: Budget, attn_share: float | None = 
                  removed: Removed | None = None, layers=None) -> Removed:
     """Fractional-knapsack greedy: drop the lowest importance-per-parameter units until the budget is met.
 
-    With `attn_share`, attention and MLP are filled as two knapsacks with their own targets.
+    A GQA group that would overshoot the target by a channel's cost or more is passed over for the next
+    channels in the order, so the unit count lands within one channel of the target. With `attn_share`,
+    attention takes its share to the nearest whole group and the MLP takes exactly the rest.
     """
     removed = removed if removed is not None else empty_removed(budget)
     lim = limits(budget)
     targets = kind_targets(budget, attn_share)
+
+    def done(kinds) -> int:
+        return sum(len(s) * budget.cost(k) for k in kinds for s in removed[k])
+
     if targets is None:
-        fill(units(scores, budget, layers=layers), budget.target, removed, lim,
-             sum(len(s) * budget.cost(k) for k in removed for s in removed[k]))
+        meet(units(scores, budget, layers=layers), budget.target, removed, lim, done(("attn", "mlp")), budget.c_cost)
     else:
-        for kind, t in targets.items():
-            done = sum(len(s) for s in removed[kind]) * budget.cost(kind)
-            fill(units(scores, budget, kinds=(kind,), layers=layers), t, removed, lim, done)
+        # Whole groups cannot hit the attention share exactly; the MLP absorbs the difference so the total is exact.
+        # With no MLP share at all, attention alone must reach the target (within one group).
+        fill(units(scores, budget, kinds=("attn",), layers=layers), targets["attn"], removed, lim, done(("attn",)),
+             nearest=targets["mlp"] > 0)
+        meet(units(scores, budget, kinds=("mlp",), layers=layers), budget.target - done(("attn",)), removed, lim,
+             done(("mlp",)), budget.c_cost)
     return removed
 
 
 def uniform_width(scores: UnitScores, budget: Budget) -> Removed:
-    """The same fraction in every layer: groups rounded to whole groups, channels fill the rest."""
+    """The same counts in every layer: groups rounded to whole groups, channels fill the rest.
+
+    Every layer keeps the same shape, so the removal lands in [target, target + num_layers * c_cost):
+    one channel per layer is the finest step that keeps the shapes equal. Groups never take more than
+    the whole target on their own.
+    """
     layers = budget.num_layers
     frac = budget.target / budget.decoder
     n_g = min(budget.n_groups)
-    k_g = min(int(round(frac * n_g)), n_g - budget.min_groups)
+    k_g = min(int(round(frac * n_g)), budget.target // (layers * budget.g_cost), n_g - budget.min_groups)
     rest = budget.target - layers * k_g * budget.g_cost
     n_c = min(budget.n_chans)
     k_c = min(max(int(math.ceil(rest / (layers * budget.c_cost))), 0), n_c - budget.min_channels)

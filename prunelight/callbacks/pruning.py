@@ -58,6 +58,10 @@ class PruningCallback(L.Callback):
         if step and needs_fresh_engine(trainer.strategy):
             raise ValueError(f"prune.prune_step={step} is not allowed under DeepSpeed: the cut happens before "
                              "recovery; use prune_step: 0")
+        if self.settings.reconstruct != "none" and needs_fresh_engine(trainer.strategy):
+            raise ValueError(f"prune.reconstruct={self.settings.reconstruct} is not allowed under DeepSpeed: the cut "
+                             "model is written from gathered weights without calibration activations; use "
+                             "reconstruct: none, or DDP")
         if self.evaluator is not None:
             self.evaluator.setup(trainer, pl_module)
 
@@ -128,7 +132,12 @@ class PruningCallback(L.Callback):
             pl_module.handoff = {"pretrained": str(out), "plan": plan.to_dict()}
             trainer.should_stop = True  # checked before the first epoch: no step and no checkpoint of the dense model
         else:
-            pl_module.apply_plan(plan)
+            if s.reconstruct != "none":  # the cut, layer by layer, with each layer's repair fitted before it
+                record.reconstruction = pl_module.apply_plan_reconstructed(
+                    plan, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device))
+                _log_reconstruction(trainer, record.reconstruction)
+            else:
+                pl_module.apply_plan(plan)
             times["surgery"] = time.perf_counter() - t0
             record.layers = [x.as_dict() for x in get_family(pl_module.base_model).layer_shapes(pl_module.base_model)]
             self._measure("pruned", trainer, pl_module)
@@ -174,6 +183,14 @@ class PruningCallback(L.Callback):
             "prune/groups_removed": meta["groups_removed"],
             "prune/channels_removed": meta["channels_removed"],
         })
+
+
+def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
+    """One line for the cut summary: how much of the cut's output error the repair removed."""
+    if trainer.is_global_zero and figures.get("rel_err_before_mean") is not None:
+        log.info("reconstruction (%s, %s inputs): relative output error of the cut sub-blocks %.4f -> %.4f on "
+                 "%d calibration tokens, %.1f s", figures["method"], figures["inputs"], figures["rel_err_before_mean"],
+                 figures["rel_err_after_mean"], figures["tokens"], figures["time_s"])
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:

@@ -15,13 +15,17 @@ from torch import nn
 from prunelight.data import TextSource, pack_blocks, tokenize_source
 from prunelight.metrics import TokenPerplexity
 
-# Hub defaults (the usual pruning-paper sets); local files are given as TextSource(path=...).
+# Hub defaults (the usual pruning-paper sets), tokenized as the papers' code does (protocol "paper": rows
+# joined by blank lines, the tokenizer's BOS once; C4 rows joined by spaces). Local files are given as
+# TextSource(path=...) and keep protocol "lines" unless told otherwise.
 HUB_SETS: dict[str, TextSource] = {
-    "wikitext2": TextSource(dataset="Salesforce/wikitext", name="wikitext-2-raw-v1", split="test", text_field="text"),
-    "ptb": TextSource(dataset="ptb-text-only/ptb_text_only", name="penn_treebank", split="test", text_field="sentence"),
+    "wikitext2": TextSource(dataset="Salesforce/wikitext", name="wikitext-2-raw-v1", split="test", text_field="text",
+                            protocol="paper"),
+    "ptb": TextSource(dataset="ptb-text-only/ptb_text_only", name="penn_treebank", split="test", text_field="sentence",
+                      protocol="paper"),
     # The first validation shard only (as SparseGPT/Wanda do), not the whole multi-terabyte dataset.
     "c4": TextSource(dataset="allenai/c4", split="validation", text_field="text", max_tokens=256 * 2048,
-                     data_files="en/c4-validation.00000-of-00008.json.gz"),
+                     data_files="en/c4-validation.00000-of-00008.json.gz", protocol="paper_c4"),
 }
 
 
@@ -73,7 +77,7 @@ class PerplexityData:
     @classmethod
     def build(cls, tokenizer, sets: Mapping[str, TextSource], seq_lens: list[int],
               max_windows: int | None = None) -> PerplexityData:
-        """Tokenize every set (documents joined by newlines, as in the usual WikiText protocol)."""
+        """Tokenize every set once, each by its source's protocol (see `prunelight.data.STREAM_PROTOCOLS`)."""
         if not sets:
             raise ValueError("perplexity needs at least one dataset")
         bad = [n for n in seq_lens if n < 2]
@@ -114,6 +118,7 @@ def evaluate_perplexity_suite(model: nn.Module, data: PerplexityData, batch_size
                 "dataset": name,
                 "source": src.describe(),
                 "split": src.split if src.dataset else None,
+                "protocol": src.protocol,
                 "seq_len_requested": requested,
                 "seq_len": used,
                 "windows": len(blocks),

@@ -7,6 +7,8 @@ import inspect
 from prunelight.importance.base import ActGradCriterion, Criterion, UnitScores
 from prunelight.importance.entropy import EntropyCriterion
 from prunelight.importance.fisher import FisherCriterion
+from prunelight.importance.flap import FlapCriterion, WandaSPCriterion
+from prunelight.importance.llm_pruner import TaylorElementCriterion, TaylorMixCriterion, TaylorSecondCriterion
 from prunelight.importance.magnitude import MagnitudeCriterion, MagnitudeL1Criterion
 from prunelight.importance.random import RandomCriterion
 from prunelight.importance.second_order import SecondOrderCriterion
@@ -18,9 +20,14 @@ from prunelight.importance.weight_grad import WeightGradCriterion
 CRITERIA: dict[str, type[Criterion]] = {
     "taylor": TaylorCriterion,
     "taylor_weight": TaylorWeightCriterion,
+    "taylor_element": TaylorElementCriterion,
+    "taylor_second": TaylorSecondCriterion,
+    "taylor_mix": TaylorMixCriterion,
     "fisher": FisherCriterion,
     "second_order": SecondOrderCriterion,
     "wanda": WandaCriterion,
+    "wanda_sp": WandaSPCriterion,
+    "flap": FlapCriterion,
     "entropy": EntropyCriterion,
     "magnitude": MagnitudeCriterion,
     "magnitude_l1": MagnitudeL1Criterion,

@@ -130,13 +130,20 @@ class ActGradCriterion(Criterion):
             a = x.detach()
 
             def on_grad(g: torch.Tensor) -> None:
-                ag = (a.float() * g.float()).sum(dim=1)  # sum over tokens: [batch, width]
-                per_sample = ag.view(ag.shape[0], units, -1).sum(-1)  # [batch, units]
-                self.stats[kind][layer] += self.reduce_samples(per_sample)
+                self.stats[kind][layer] += self.reduce_products(a.float() * g.float(), units)
 
             x.register_hook(on_grad)
 
         return pre_hook
+
+    def reduce_products(self, ag: torch.Tensor, units: int) -> torch.Tensor:
+        """[batch, tokens, width] products a*g (a fresh fp32 tensor) -> [units] contribution of this batch.
+
+        Default: per sample, sum over tokens and over the unit's channels, then `reduce_samples`.
+        """
+        ag = ag.sum(dim=1)  # sum over tokens: [batch, width]
+        per_sample = ag.view(ag.shape[0], units, -1).sum(-1)  # [batch, units]
+        return self.reduce_samples(per_sample)
 
     def scores(self, model: nn.Module) -> UnitScores:
         return {kind: [t.clone() for t in self.stats[kind]] for kind in KINDS}

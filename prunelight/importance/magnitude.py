@@ -1,4 +1,10 @@
-"""Weight-magnitude baseline: the norm of all weights a unit owns (no data needed)."""
+"""Weight-magnitude baseline: an additive magnitude of all weights a unit owns (no data needed).
+
+`magnitude` scores a unit by sum w^2 (the squared L2 norm), `magnitude_l1` by sum |w|. Both are sums of
+one term per parameter, so a unit's importance per parameter (what the `global` allocation ranks) does
+not depend on the unit's size. The plain L2 norm did: it grows like sqrt(n), so importance per parameter
+fell like 1/sqrt(n) and large GQA groups always looked cheaper than MLP channels.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from prunelight.importance.base import Criterion, UnitScores
 
 
 class MagnitudeCriterion(Criterion):
-    """L2 (or L1) norm of each unit's q/k/v rows + o columns, or gate/up rows + down column."""
+    """Sum of w^2 (p=2) or |w| (p=1) over each unit's q/k/v rows + o columns, or gate/up rows + down column."""
 
     name = "magnitude"
     needs_data = False
@@ -23,10 +29,10 @@ class MagnitudeCriterion(Criterion):
         self.p = p
 
     def _norm(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        # parts: per-unit blocks, each [units, n]; combine as one vector per unit.
+        # parts: per-unit blocks, each [units, n]. No square root: the score must stay additive per parameter.
         if self.p == 1:
             return sum(t.abs().sum(-1) for t in parts)
-        return torch.sqrt(sum(t.pow(2).sum(-1) for t in parts))
+        return sum(t.pow(2).sum(-1) for t in parts)
 
     @torch.no_grad()
     def scores(self, model: nn.Module) -> UnitScores:
@@ -40,7 +46,7 @@ class MagnitudeCriterion(Criterion):
 
 
 class MagnitudeL1Criterion(MagnitudeCriterion):
-    """L1 norm of each unit's weights (the `magnitude` criterion with p=1)."""
+    """Sum of |w| over each unit's weights (the `magnitude` criterion with p=1)."""
 
     name = "magnitude_l1"
 

@@ -2,11 +2,16 @@
 
 With N calibration samples and g_s the gradient of sample s's mean loss,
 
-    score_u = sum over the weights w unit u owns of ( mean_s |w * g_s| + 0.5 * w^2 * H(w) ),
+    score_u = sum over the weights and biases w unit u owns of ( mean_s |w * g_s| + 0.5 * w^2 * H(w) ),
     H(w)    = mean_s g_s(w)^2   (the empirical-Fisher approximation of the Hessian diagonal).
 
 Both terms are sums over samples of per-unit quantities (sum_w w^2 g_s^2 is reduced inside the hook),
 so the statistics stay O(units) and add up across ranks; the means are taken at the end.
+
+How it differs from LLM-Pruner's `param_mix` (our `taylor_mix`), |w * g_bar - 0.5 * w^2 * H| with
+g_bar = mean_s g_s: here the first-order term is mean_s |w * g_s| (|.| per sample, before averaging)
+and the two terms are added as separate non-negative sums rather than combined under one |.| per
+weight, which is what keeps it O(units) in memory; biases are scored too. A variant of our own.
 """
 
 from __future__ import annotations

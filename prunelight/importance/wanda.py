@@ -1,10 +1,15 @@
-"""Wanda importance (Sun et al. 2023) aggregated per unit: sum of |W_ij| * ||X_j||_2 over a unit's weights.
+"""Wanda importance (Sun et al. 2023) aggregated per unit: sum of |W_ij| * ||X_j||_2 over all a unit's weights.
 
 ||X_j||_2 is the L2 norm of input feature j over every calibration token, for the activation the
 weight multiplies: the attention input for q/k/v rows, the o_proj input for o columns, the MLP input
 for gate/up rows and the down_proj input for down columns. Forward hooks accumulate sum_t X_j(t)^2
 (O(hidden) per layer, fp32); no backward pass and no labels are needed. Biases are not scored (as in
 Wanda), so a unit's score comes from its weight matrices alone.
+
+A variant of our own, not FLAP's structured Wanda: `wanda_sp` (importance/flap.py) scores only the
+o_proj / down_proj input columns, with the mean (not the sum) of |W_ij| * ||X_j||_2 over a column's
+rows. This one also sums the unit's q/k/v rows (for a group) or gate/up rows (for a channel), each
+element weighted by the norm of the activation it multiplies, and sums (not averages) every element.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from prunelight.importance.ownership import input_modules, owned_tensors
 
 
 class WandaCriterion(Criterion):
-    """Per-unit sum of |W| times the input activation norm."""
+    """Per-unit sum of |W| times the input activation norm over every weight the unit owns (q/k/v/o or gate/up/down)."""
 
     name = "wanda"
     needs_backward = False

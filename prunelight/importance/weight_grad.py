@@ -3,8 +3,9 @@
 Only the weights units own require grad during calibration. A post-accumulate-grad hook folds each
 parameter's gradient into per-unit sums and then drops it (p.grad = None), so at most the gradients
 autograd is currently producing exist, never a second copy of the model's gradients. Calibration runs
-these one sample at a time (`micro_batch_size=1`), so every statistic is a sum over samples and the
-per-rank sums of a distributed run add up exactly to the one-process result.
+these one sample at a time (`micro_batch_size=1`) by default, so every statistic is a sum over samples
+and the per-rank sums of a distributed run add up exactly to the one-process result (`taylor_element`
+is the exception: LLM-Pruner's formula needs the gradient of a whole batch's loss).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class WeightGradCriterion(Criterion):
     """Base: per-unit sums of an element-wise function of (w, dL/dw) for every sample."""
 
     needs_backward = True
+    # False: only weight matrices are scored (LLM-Pruner reads `.weight` only), so biases need no gradient.
+    scores_biases: bool = True
 
     def __init__(self, objective: str = "lm", micro_batch_size: int = 1) -> None:
         super().__init__()
@@ -32,15 +35,19 @@ class WeightGradCriterion(Criterion):
         self.micro_batch_size = micro_batch_size
         self._owned: list[OwnedTensor] = []
 
+    def scored(self, model: nn.Module) -> list[OwnedTensor]:
+        """The unit-owned tensors this criterion reads gradients of (weights, and biases if `scores_biases`)."""
+        return [o for o in owned_tensors(model) if self.scores_biases or not o.is_bias]
+
     def grad_params(self, model: nn.Module) -> list[nn.Parameter]:
-        return [o.param for o in owned_tensors(model)]
+        return [o.param for o in self.scored(model)]
 
     @abstractmethod
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
         """Fold one parameter's fp32 weight and gradient into the per-unit statistics."""
 
     def _register(self, model: nn.Module, family: ModelFamily) -> None:
-        self._owned = owned_tensors(model)
+        self._owned = self.scored(model)
         for owned in self._owned:
             self._handles.append(owned.param.register_post_accumulate_grad_hook(self._hook(owned)))
 
