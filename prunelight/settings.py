@@ -113,8 +113,9 @@ class PruneSettings:
 
     ratio: float = 0.2
     """Fraction of all the model's parameters to remove, in (0, 1)."""
-    criterion: CriterionName = "taylor"
-    """Importance criterion that scores every GQA group and MLP channel (docs/criteria.md)."""
+    criterion: CriterionName = "flap"
+    """Importance criterion that scores every GQA group and MLP channel (docs/criteria.md). The default, FLAP's
+    fluctuation metric, was the most robust on both reference models (README, "Choosing the default")."""
     criterion_args: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of the criterion (e.g. {p: 1} for magnitude, {seed: 1} for random)."""
     allocation: AllocationName = "global"
@@ -146,7 +147,7 @@ class PruneSettings:
     report_layer_importance: list[LayerImportanceName] = field(
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
-    reconstruct: ReconstructionName = "none"
+    reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
     contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns).
     Not available under DeepSpeed (docs/methods.md, Reconstruction)."""

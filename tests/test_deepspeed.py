@@ -183,12 +183,23 @@ def _job(tmp: Path, max_steps: int, callbacks_extra: list | None = None, checkpo
             "limit_val_batches": 0,
             "callbacks": callbacks_extra or [],
         },
-        "prune": {"ratio": 0.3},
+        "prune": {"ratio": 0.3, "reconstruct": "none"},  # a repair is refused under DeepSpeed (tested below)
         "export": {"out_dir": str(tmp / "out")},
     }
     path = tmp / f"job{max_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def test_reconstruction_is_refused_under_the_fresh_engine_handoff(tmp_path, monkeypatch):
+    from prunelight.callbacks import pruning
+    from prunelight.cli import cli_main
+
+    monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="prune.reconstruct=least_squares is not allowed under DeepSpeed"):
+        cli_main(["fit", "--config", str(_job(tmp_path, max_steps=2)), "--prune.reconstruct", "least_squares"])
+    assert not (tmp_path / "out" / "pruned").exists()
 
 
 @pytest.mark.parametrize("recovery", ["lora", "none"])
