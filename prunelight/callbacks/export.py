@@ -71,8 +71,7 @@ class ExportCallback(L.Callback):
         if trainer.is_global_zero:
             report = record.to_dict()
             if self.settings.figures:
-                record.figures = write_figures(report, pl_module.plan, self.out_dir)
-                report = record.to_dict()
+                record.figures = report["figures"] = write_figures(report, pl_module.plan, self.out_dir)
             write_report(report, self.out_dir)
             self._print_end(record)
         if trainer.world_size > 1:

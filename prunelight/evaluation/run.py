@@ -30,9 +30,13 @@ class RunEvaluator:
         self.max_eval_batches = self.settings.max_eval_batches
         self._suite: Evaluator | None = None
         self._dense_hidden: list[torch.Tensor] | None = None
+        self._ready = False
 
     def setup(self, trainer: Any, pl_module: Any) -> None:
-        """Prepare once per fit: smoke tests read one batch; the suite's data is checked before any work."""
+        """Prepare once per fit (both callbacks call it): smoke tests read one batch; the suite's data is checked."""
+        if self._ready:
+            return
+        self._ready = True
         if trainer.fast_dev_run:
             self.max_eval_batches = 1
         if self.settings.suite is not None and trainer.datamodule is not None:

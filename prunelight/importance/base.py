@@ -19,6 +19,18 @@ OBJECTIVES = ("lm", "entropy")
 UnitScores = dict[str, list[torch.Tensor]]  # kind -> one 1-D tensor of scores per layer
 
 
+def all_reduce_per_layer(tensors: list[dict[str, torch.Tensor]],
+                         reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Sum per-layer dicts of accumulators over processes in one collective, replacing them in place."""
+    keys = [(i, k) for i, acc in enumerate(tensors) for k in sorted(acc)]
+    if not keys:
+        return
+    sizes = [tensors[i][k].numel() for i, k in keys]
+    flat = reduce_sum(torch.cat([tensors[i][k] for i, k in keys]))
+    for (i, k), t in zip(keys, torch.split(flat, sizes)):
+        tensors[i][k] = t
+
+
 def check_objective(objective: str) -> str:
     """Validate a calibration objective name ("lm": next-token NLL, "entropy": output entropy, no labels)."""
     if objective not in OBJECTIVES:

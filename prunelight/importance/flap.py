@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from prunelight.families import KINDS, ModelFamily, get_family, unwrap
-from prunelight.importance.base import Criterion, UnitScores
+from prunelight.importance.base import Criterion, UnitScores, all_reduce_per_layer
 
 # The activation read by the unit-owned input columns of each kind: o_proj input, down_proj input.
 UNIT_INPUT = {"attn": "o_in", "mlp": "down_in"}
@@ -88,13 +88,7 @@ class InputMomentsCriterion(Criterion):
 
     def all_reduce(self, reduce_sum) -> None:
         super().all_reduce(reduce_sum)
-        keys = [(i, k) for i, acc in enumerate(self.moments) for k in sorted(acc)]
-        if not keys:
-            return
-        sizes = [self.moments[i][k].numel() for i, k in keys]
-        flat = reduce_sum(torch.cat([self.moments[i][k] for i, k in keys]))
-        for (i, k), t in zip(keys, torch.split(flat, sizes)):
-            self.moments[i][k] = t
+        all_reduce_per_layer(self.moments, reduce_sum)
 
     def _parts(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         acc = self.moments[layer].get(kind)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from prunelight.families import ModelFamily
-from prunelight.importance.base import KINDS, Criterion, UnitScores
+from prunelight.importance.base import KINDS, Criterion, UnitScores, all_reduce_per_layer
 from prunelight.importance.ownership import input_modules, owned_tensors
 
 
@@ -47,13 +47,7 @@ class WandaCriterion(Criterion):
 
     def all_reduce(self, reduce_sum) -> None:
         super().all_reduce(reduce_sum)
-        keys = [(i, k) for i, norms in enumerate(self.sq_norms) for k in sorted(norms)]
-        if not keys:
-            return
-        sizes = [self.sq_norms[i][k].numel() for i, k in keys]
-        flat = reduce_sum(torch.cat([self.sq_norms[i][k] for i, k in keys]))
-        for (i, k), t in zip(keys, torch.split(flat, sizes)):
-            self.sq_norms[i][k] = t
+        all_reduce_per_layer(self.sq_norms, reduce_sum)
 
     @torch.no_grad()
     def scores(self, model: nn.Module) -> UnitScores:
