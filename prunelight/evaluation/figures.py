@@ -68,18 +68,25 @@ def kept_removed_scores(unit_scores: dict, plan: PrunePlan) -> dict[str, tuple[l
 
 
 def plot_importance_distribution(unit_scores: dict, plan: PrunePlan, path: str | Path) -> Path:
-    """Histograms of unit importance, kept vs removed (log10 of the score; zero scores clipped)."""
+    """Histograms of unit importance, kept vs removed, on shared bins.
+
+    log10 of the score when every score is positive; signed scores (e.g. `flap`'s standardised ones) are drawn
+    on a linear axis, since clipping them to a log floor would pile every negative unit into one bin.
+    """
     split = kept_removed_scores(unit_scores, plan)
     fig = Figure(figsize=(9, 3.4))
     for k, (kind, (kept, removed)) in enumerate(split.items()):
         ax = fig.add_subplot(1, 2, k + 1)
-        floor = min([s for s in kept + removed if s > 0] or [1e-12])
-        to_log = lambda xs: torch.tensor(xs or [floor]).clamp(min=floor).log10().tolist()
-        bins = 40
-        ax.hist(to_log(kept), bins=bins, alpha=0.6, color="#3b75af", label=f"kept ({len(kept)})")
+        values = torch.tensor(kept + removed or [1.0], dtype=torch.float64)
+        use_log = bool((values > 0).all())
+        scale = (lambda xs: torch.tensor(xs, dtype=torch.float64).log10()) if use_log else (
+            lambda xs: torch.tensor(xs, dtype=torch.float64))
+        lo, hi = float(scale(values.tolist()).min()), float(scale(values.tolist()).max())
+        edges = torch.linspace(lo, hi if hi > lo else lo + 1.0, 41).tolist()
+        ax.hist(scale(kept).tolist(), bins=edges, alpha=0.6, color="#3b75af", label=f"kept ({len(kept)})")
         if removed:
-            ax.hist(to_log(removed), bins=bins, alpha=0.6, color="#d1495b", label=f"removed ({len(removed)})")
-        ax.set_xlabel("log10 importance")
+            ax.hist(scale(removed).tolist(), bins=edges, alpha=0.6, color="#d1495b", label=f"removed ({len(removed)})")
+        ax.set_xlabel("log10 importance" if use_log else "importance (signed)")
         ax.set_title({"attn": "attention groups", "mlp": "MLP channels"}[kind])
         ax.legend(fontsize=8)
     return _save(fig, Path(path))
