@@ -316,6 +316,8 @@ def load_plan(path: str | Path, option: str = "prune.plan") -> tuple[PrunePlan, 
             raw["meta"] = {**raw["meta"], "applies_to": data.get("applies_to") or raw["meta"].get("applies_to")}
         elif data.get("prune_plan"):  # report.json: kept units, and the budget meta under `plan`
             raw = {**data["prune_plan"], "meta": data.get("plan") or {}}
+        elif "layers" in data and "num_groups" in data:  # json.dump(plan.to_dict())
+            raw = data
         else:
             raise ValueError(f"{option}={str(path)!r} holds no prune plan (expected a plan.json, a report.json with "
                              "`prune_plan`, or a .ckpt)")
