@@ -251,3 +251,50 @@ def test_cli_refuses_a_mismatched_plan_before_loading_weights(tiny_run, tmp_path
     with pytest.raises(ValueError, match=r"p.json does not fit the model: it has 2 layers, the plan was made for 3"):
         cli_main(args + ["--export.out_dir=runs/x", f"--prune.plan={tmp_path / 'p.json'}"])
     assert not (tmp_path / "runs" / "x" / "report.json").exists()
+
+
+# --- the reference model (slow; skips without ../shared) ----------------------------------------
+@pytest.mark.slow
+def test_reference_plan_travels_to_a_sibling_and_scores_reallocate_at_30_percent(ref_model_dir, shared, tmp_path,
+                                                                                 monkeypatch, caplog):
+    """Prune-only on ref-llama-gqa; its plan cuts a perturbed sibling to the same shapes; its scores re-allocate at 30%."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from prunelight.cli import cli_main
+
+    sibling = tmp_path / "sibling"  # the same shapes, other weights (as after a few fine-tuning steps)
+    model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3 * p.std().clamp_min(1e-6))
+    model.save_pretrained(sibling)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ref_model_dir / name, sibling / name)
+    data = shared / "data" / "wikitext2"
+    args = ["fit", "--config", str(ROOT / "configs" / "reference.yaml"), f"--model.pretrained={ref_model_dir}",
+            f"--data.calibration.path={data / 'valid.txt'}", f"--data.eval.path={data / 'test.txt'}",
+            f"--data.train.path={data / 'valid.txt'}", "--data.num_samples=32", "--data.max_eval_blocks=8",
+            "--model.recovery=none", "--trainer.enable_progress_bar=false", "--export.figures=false",
+            "--export.model=false", "--evaluation.max_eval_batches=1"]
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="prunelight")
+    cli_main(args + ["--export.out_dir=runs/a"])
+    a = tmp_path / "runs" / "a"
+    report_a = json.loads((a / "report.json").read_text())
+
+    cli_main(args + ["--export.out_dir=runs/b", f"--model.pretrained={sibling}", f"--prune.plan={a / PLAN_FILE}"])
+    report_b = json.loads((tmp_path / "runs" / "b" / "report.json").read_text())
+    assert report_b["layers"] == report_a["layers"] and report_b["params_after"] == report_a["params_after"]
+
+    _no_scoring(monkeypatch)
+    caplog.clear()
+    cli_main(args + ["--export.out_dir=runs/c", f"--prune.scores={a / SCORES_FILE}", "--prune.ratio=0.3"])
+    assert "no scoring pass: unit scores from" in caplog.text
+    report_c = json.loads((tmp_path / "runs" / "c" / "report.json").read_text())
+    assert 0.3 <= report_c["plan"]["removed_fraction_total"] < 0.31
+    with pytest.raises(ValueError, match="the weights differ"):
+        cli_main(args + ["--export.out_dir=runs/d", f"--model.pretrained={sibling}",
+                         f"--prune.scores={a / SCORES_FILE}"])

@@ -131,7 +131,10 @@ class PruningCallback(L.Callback):
         scores = None
         if s.plan:
             plan, budget = adopt_plan(twin, saved_plan, s.plan)
-            log.info("no scoring pass: plan from %s; %s", s.plan, _repair_reads(s, batches))
+            made = plan.meta["made_with"]
+            log.info("no scoring pass: plan from %s (made with %s / %s, ratio %s; the plan wins over this run's ratio, "
+                     "criterion and allocation); %s", s.plan, made.get("criterion", "?"), made.get("allocation", "?"),
+                     made.get("ratio", "?"), _repair_reads(s, batches))
         else:
             if saved is not None:
                 log.info("no scoring pass: unit scores from %s (%s, %d samples); %s", s.scores, saved.key["criterion"],
