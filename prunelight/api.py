@@ -32,7 +32,7 @@ def as_settings(settings: PruneSettings | dict[str, Any] | None) -> PruneSetting
 
 
 def as_batches(calibration: torch.Tensor | Sequence | None) -> list[torch.Tensor]:
-    """Token-id batches [batch, seq_len] from a 2-D tensor (split in batches of 8 rows), a 1-D one, or a list of either."""
+    """Token-id batches [batch, seq_len] from a 2-D tensor (split by 8 rows), a 1-D one, or a list of those."""
     if calibration is None:
         return []
     if isinstance(calibration, torch.Tensor):
@@ -57,7 +57,7 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     """
     from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
     from prunelight.reconstruct import cut_and_reconstruct
-    from prunelight.saved import load_scores
+    from prunelight.saved import RUN_KEY_PARTS, check_key, load_scores, scores_key
 
     s = as_settings(settings)
     batches = as_batches(calibration)
@@ -72,7 +72,11 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
         if not s.scores and build_criterion(s.criterion, **s.criterion_args).needs_data and not batches:
             raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
                              "(token ids) or use a weight-only criterion such as magnitude")
-        plan, _ = make_plan(model, batches, s, saved=load_scores(s.scores) if s.scores else None)
+        saved = None
+        if s.scores:  # the same refusal as a run: scores from another model, dtype, weights or criterion
+            saved = load_scores(s.scores)
+            check_key(saved.key, scores_key(model, s, {}), s.scores, parts=RUN_KEY_PARTS)
+        plan, _ = make_plan(model, batches, s, saved=saved)
     cut_and_reconstruct(model, plan, batches, s)
     return model, plan
 

@@ -47,16 +47,19 @@ def test_prune_without_repair_equals_masking(tmp_path):
         assert torch.allclose(model(x).logits, ref(x).logits, atol=1e-5)
 
 
-def test_prune_from_saved_scores_and_plan_settings(tmp_path):
+def test_prune_from_saved_scores_equals_scoring_and_refuses_other_weights(tmp_path):
     from prunelight.saved import calibration_identity, save_scores, scores_key
     from prunelight.pipeline import make_plan
 
     model = tiny_model()
     s = prunelight.PruneSettings(ratio=0.2, reconstruct="none")
     plan0, scores = make_plan(model, prunelight.api.as_batches(_calibration()), s)
+    options = {"ratio": 0.2, "reconstruct": "none", "scores": str(tmp_path / "scores.pt")}
     save_scores(tmp_path / "scores.pt", scores, scores_key(model, s, calibration_identity(settings=s)))
-    _, plan = prunelight.prune(tiny_model(), {"ratio": 0.2, "reconstruct": "none", "scores": str(tmp_path / "scores.pt")})
+    _, plan = prunelight.prune(tiny_model(), options)
     assert plan.to_dict()["layers"] == plan0.to_dict()["layers"]
+    with pytest.raises(ValueError, match="the weights differ"):
+        prunelight.prune(tiny_model(seed=2), options)
 
 
 def test_bad_calls_say_what_is_missing():

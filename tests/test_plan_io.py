@@ -1,4 +1,4 @@
-"""Plans and scores that travel: plan.json / scores.pt written by every run, `prune.plan` and `prune.scores` read back."""
+"""Plans and scores that travel: plan.json / scores.pt written by every run; prune.plan and prune.scores."""
 
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def test_cli_refuses_a_mismatched_plan_before_loading_weights(tiny_run, tmp_path
 @pytest.mark.slow
 def test_reference_plan_travels_to_a_sibling_and_scores_reallocate_at_30_percent(ref_model_dir, shared, tmp_path,
                                                                                  monkeypatch, caplog):
-    """Prune-only on ref-llama-gqa; its plan cuts a perturbed sibling to the same shapes; its scores re-allocate at 30%."""
+    """Prune-only on ref-llama-gqa; its plan cuts a perturbed sibling to the same shapes; scores re-allocate at 30%."""
     import shutil
 
     from transformers import AutoModelForCausalLM

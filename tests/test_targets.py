@@ -93,7 +93,7 @@ def test_bad_target_strings_are_refused(option, value, message):
 
 
 def test_targets_are_exclusive_and_kv_needs_global_or_uniform():
-    with pytest.raises(SettingsError, match="prune.target_memory='1GB@bf16' is not allowed: prune.target_params is set"):
+    with pytest.raises(SettingsError, match="prune.target_memory='1GB@bf16' is not allowed: prune.target_params is"):
         settings_of(0.2, target_params="1M", target_memory="1GB@bf16")
     with pytest.raises(SettingsError, match="with allocation global or uniform, not 'depth'"):
         settings_of(0.2, target_kv_cache="1KiB@bf16", allocation="depth")

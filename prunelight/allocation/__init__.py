@@ -134,7 +134,7 @@ def allocate(
 
 
 def _kv_plan(budget: Budget, scores: UnitScores, method: str) -> PrunePlan:
-    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer), no channel."""
+    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer)."""
     check_scores(scores, budget)
     removed = empty_removed(budget)
     if method == "uniform":

@@ -132,7 +132,8 @@ def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_gr
     per_group = 2 * head_dim * goal.bytes_per_param  # one K and one V vector per token
     now = kv_bytes_per_token(n_groups, head_dim, goal.bytes_per_param)
     if goal.value >= now:
-        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: the model's KV cache takes {human_bytes(now)} per "
+        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: the model's KV cache takes "
+                         f"{human_bytes(now)} per "
                          f"token at {goal.dtype} already (2 x {sum(n_groups)} KV heads x head_dim {head_dim} x "
                          f"{goal.bytes_per_param:g} bytes); use a target below that")
     need = math.ceil((now - goal.value) / per_group - 1e-9)
@@ -143,7 +144,8 @@ def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_gr
         most = sum(max(n - min_groups, 0) for n in n_groups)
     if need > most:
         floor = now - most * per_group
-        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: keeping prune.min_groups={min_groups} KV group(s) "
+        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: keeping "
+                         f"prune.min_groups={min_groups} KV group(s) "
                          f"per layer{' (the same in every layer)' if allocation == 'uniform' else ''} leaves at least "
                          f"{human_bytes(floor)} per token at {goal.dtype}; use a target at or above that")
     return need
