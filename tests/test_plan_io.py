@@ -241,6 +241,20 @@ def test_cli_writes_plan_and_scores_then_reallocates_and_reapplies_without_scori
     assert not (tmp_path / "runs" / "c" / SCORES_FILE).exists()
 
 
+def test_cli_plan_from_a_lightning_checkpoint(tiny_run, tmp_path, monkeypatch):
+    from prunelight.cli import cli_main
+
+    _, args = tiny_run
+    monkeypatch.chdir(tmp_path)
+    lora = [a for a in args if a != "--model.recovery=none"] + ["--model.recovery=lora", "--trainer.max_steps=1"]
+    cli_main(lora + ["--export.out_dir=runs/l"])
+    ckpt = next((tmp_path / "runs" / "l").rglob("*.ckpt"))
+    cli_main(args + ["--export.out_dir=runs/lp", f"--prune.plan={ckpt}"])
+    a = json.loads((tmp_path / "runs" / "l" / "report.json").read_text())
+    b = json.loads((tmp_path / "runs" / "lp" / "report.json").read_text())
+    assert a["prune_plan"] == b["prune_plan"] and a["params_after"] == b["params_after"]
+
+
 def test_cli_refuses_a_mismatched_plan_before_loading_weights(tiny_run, tmp_path, monkeypatch):
     from prunelight.cli import cli_main
 
