@@ -147,6 +147,16 @@ def render_markdown(report: dict) -> str:
             f"model, {100 * plan.get('removed_fraction_decoder', 0):.2f}% of the decoder layers "
             f"(target {_fmt(plan.get('params_target_removed'))}; off by {_fmt(plan.get('budget_error_params'))}).",
         ]
+        goal = plan.get("target")
+        if goal:  # a deployment target (prune.target_*) and what was met
+            met = goal["met"]
+            lines.append(f"Target `{goal['option']}={goal['text']}` ({goal['unit']}): {_fmt(goal['achieved'])} "
+                         f"{'<=' if goal['within_target'] else '>'} {_fmt(round(goal['value']))}; parameters after "
+                         f"{_fmt(met['params_after'])}, weights {_fmt(met['weight_bytes_after'])} B and KV cache "
+                         f"{_fmt(met['kv_bytes_per_token_after'])} B per token at {met['bytes_dtype']}.")
+        for key, what in (("plan_source", "Plan applied from"), ("scores_source", "Re-allocated from scores")):
+            if cal.get(key):
+                lines.append(f"{what} `{cal[key]}` (no scoring pass).")
     # Layer importance is measured on the dense layers; after depth pruning the kept layers are fewer.
     imp = {k: v for k, v in (report.get("layer_importance") or {}).items()
            if isinstance(v, list) and len(v) == len(report.get("layers", []))}
