@@ -132,3 +132,15 @@ def test_cli_run_with_a_memory_target_reports_what_was_met(tmp_path, monkeypatch
     assert report["params_after"] * 4 == target["met"]["weight_bytes_after"] <= 250_000
     assert report["params_after"] * 4 > 250_000 - 3 * 64 * 4
     assert report["plan"]["target"]["within_target"]
+    md = (tmp_path / "runs" / "m" / "report.md").read_text()
+    assert "Target `prune.target_memory=250KB@fp32` (weight bytes at fp32)" in md
+
+
+def test_cli_bad_target_is_one_line(tmp_path, capsys):
+    from prunelight.cli import main
+
+    rc = main(["fit", "--config", str(ROOT / "configs" / "reference.yaml"), "--prune.target_memory=16GiB",
+               f"--export.out_dir={tmp_path / 'x'}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prunelight: error:")]
+    assert rc == 2 and len(err) == 1
+    assert "prune.target_memory='16GiB' is not allowed: use <size><unit>@<dtype>" in err[0]
