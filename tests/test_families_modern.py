@@ -86,6 +86,22 @@ def test_pruned_equals_masked_with_removed_blocks_and_a_dropped_layer(variant):
                 assert (attn.sliding_window is not None) == (model.config.layer_types[i] == "sliding_attention")
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "gemma2", "gemma3_text", "phi3"])
+def test_head_dim_need_not_divide_hidden_size(variant, tmp_path):
+    """heads x head_dim = 128 != hidden 64, as in Gemma 2 (8 x 256 vs 2304) and Qwen3-0.6B (16 x 128 vs 1024)."""
+    model = _model(variant, head_dim=32)
+    plan = _plan()
+    masked = _masked(model, plan)
+    apply_plan(model, plan)
+    with torch.no_grad():
+        out = model(IDS).logits
+        torch.testing.assert_close(out, masked(IDS).logits, atol=1e-5, rtol=1e-5)
+    export_pretrained(model, tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(IDS).logits, out, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_layer_keeps_its_query_kv_ratio(variant):
     model = _model(variant, num_attention_heads=16, num_key_value_heads=4, head_dim=4)  # 4 query heads per KV head
