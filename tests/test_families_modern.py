@@ -287,8 +287,8 @@ def test_unsupported_family_gets_one_line_naming_the_supported():
         assert name in message
 
 
-# --- end to end: `prunelight fit` on a tiny checkpoint of each new family -----------------------------
-@pytest.mark.parametrize("variant", NEW)
+# --- end to end: `prunelight fit` (prune, 2 LoRA steps, export) on a tiny checkpoint of every family -------
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fit_prunes_recovers_and_exports(variant, tmp_path, monkeypatch):
     from prunelight.cli import cli_main
     from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
