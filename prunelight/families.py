@@ -1,7 +1,7 @@
 """Per-architecture facts: where the attention and MLP modules live, which tensor slices a unit owns,
 and how a layer is cut.
 
-Everything that differs between Llama, Mistral and Qwen2 is stated here once; the rest of the
+Everything that differs between Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 is stated here once; the rest of the
 package asks a family instead of branching on model names. `ModelFamily.unit_layout` is the one
 statement of ownership: surgery, masking, importance criteria and parameter costs all derive from it.
 Hugging Face internals (head counts on attention modules, layer_idx, config fields) are written by
@@ -15,14 +15,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from prunelight import modeling
@@ -54,7 +62,9 @@ class LayerShape:
 class OwnedSlice:
     """One tensor of a layer whose rows (axis 0) or columns (axis 1) are split into equal per-unit blocks.
 
-    Unit u owns indices [u * block, (u + 1) * block) along `axis`; a bias is a tensor with one column.
+    Unit u owns indices [offset + u * block, offset + (u + 1) * block) along `axis`; a bias is a tensor
+    with one column. `offset` > 0 places the slice inside a fused projection (Phi-3's qkv_proj holds the
+    query rows, then the K rows, then the V rows; its gate_up_proj the gate rows, then the up rows).
     """
 
     kind: str  # "attn" (unit = GQA group) | "mlp" (unit = channel)
@@ -65,6 +75,16 @@ class OwnedSlice:
     width: int  # length of the other axis (1 for a bias)
     input: str  # which activation this tensor multiplies (see INPUTS)
     is_bias: bool = False
+    offset: int = 0  # where the units' rows (or columns) start along `axis` in the tensor
+
+    @property
+    def span(self) -> int:
+        """Length along `axis` of the part of the tensor the units own."""
+        return self.units * self.block
+
+    def owned_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The units' part of a tensor shaped like the owned one (a view; the whole tensor when not fused)."""
+        return t if t.shape[self.axis] == self.span else t.narrow(self.axis, self.offset, self.span)
 
     @property
     def param_name(self) -> str:
@@ -86,11 +106,12 @@ class OwnedSlice:
 
     def indices(self, units: list[int]) -> torch.Tensor:
         """Indices along `axis` of the given units' blocks, unit after unit in the order given."""
-        idx = [u * self.block + d for u in units for d in range(self.block)]
+        idx = [self.offset + u * self.block + d for u in units for d in range(self.block)]
         return torch.tensor(idx, dtype=torch.long)
 
     def unit_blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like the owned one as [units, everything a unit owns]."""
+        """A tensor shaped like the owned one (or like its owned part) as [units, everything a unit owns]."""
+        t = self.owned_part(t)
         return t.reshape(self.units, -1) if self.axis == 0 else t.t().reshape(self.units, -1)
 
 
@@ -129,8 +150,8 @@ class OwnedTensor:
         return self.spec.is_bias
 
     def to_units(self, elementwise: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor shaped like `param` over each unit's share: -> [units] fp32."""
-        t = elementwise.float()
+        """Sum a tensor shaped like `param` (or like its owned part) over each unit's share: -> [units] fp32."""
+        t = self.spec.owned_part(elementwise.float())
         if self.axis == 0:
             return t.reshape(self.units, -1).sum(1)
         return t.reshape(t.shape[0], self.units, -1).sum((0, 2))
@@ -178,6 +199,13 @@ class ModelFamily:
     gate_name: str = "gate_proj"
     up_name: str = "up_proj"
     down_name: str = "down_proj"
+    # Fused projections (Phi-3): q/k/v names are one module whose rows are all query heads, then the K
+    # heads, then the V heads; gate/up names one module whose rows are the gate rows, then the up rows.
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    # The attention reads its query width from config.num_attention_heads at every forward (Phi-3), so a
+    # resized attention gets its own view of the config (`modeling.set_attention_heads`).
+    attn_heads_from_config: bool = False
 
     @property
     def model_types(self) -> tuple[str, str]:
@@ -186,8 +214,9 @@ class ModelFamily:
 
     @property
     def lora_targets(self) -> list[str]:
-        """The projections LoRA adapts by default: every attention and MLP linear."""
-        return [self.q_name, self.k_name, self.v_name, self.o_name, self.gate_name, self.up_name, self.down_name]
+        """The projections LoRA adapts by default: every attention and MLP linear (a fused one once)."""
+        names = [self.q_name, self.k_name, self.v_name, self.o_name, self.gate_name, self.up_name, self.down_name]
+        return list(dict.fromkeys(names))
 
     # --- navigation -------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -208,7 +237,7 @@ class ModelFamily:
         return None if isinstance(mlp, RemovedMLP) else mlp
 
     def qkv(self, attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        """The q, k and v projections of an attention module."""
+        """The q, k and v projections of an attention module (the same fused module three times for Phi-3)."""
         return getattr(attn, self.q_name), getattr(attn, self.k_name), getattr(attn, self.v_name)
 
     def o(self, attn: nn.Module) -> nn.Linear:
@@ -216,7 +245,7 @@ class ModelFamily:
         return getattr(attn, self.o_name)
 
     def gate_up_down(self, mlp: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        """The gate, up and down projections of a gated MLP."""
+        """The gate, up and down projections of a gated MLP (gate and up are one fused module for Phi-3)."""
         return getattr(mlp, self.gate_name), getattr(mlp, self.up_name), getattr(mlp, self.down_name)
 
     def sub_block(self, layer: nn.Module, kind: str) -> nn.Module | None:
@@ -246,9 +275,11 @@ class ModelFamily:
             if attn is None:
                 heads = kv = 0
             else:
-                q, k, _ = self.qkv(attn)
-                heads, kv = q.out_features // hd, k.out_features // hd
-            inter = 0 if mlp is None else self.gate_up_down(mlp)[0].out_features
+                # o_proj reads every query head; a fused qkv_proj holds query rows then 2 x KV rows.
+                heads = self.o(attn).in_features // hd
+                k_rows = self.qkv(attn)[1].out_features
+                kv = (k_rows // hd - heads) // 2 if self.fused_qkv else k_rows // hd
+            inter = 0 if mlp is None else self.gate_up_down(mlp)[2].in_features
             shapes.append(LayerShape(heads, kv, inter))
         return shapes
 
@@ -296,18 +327,23 @@ class ModelFamily:
         if n_kv:
             rep = shape.num_attention_heads // n_kv
             qkv_bias, _ = self.has_attn_bias(config)
-            for name, rows in ((self.q_name, rep * hd), (self.k_name, hd), (self.v_name, hd)):
-                out.append(OwnedSlice("attn", name, 0, n_kv, rows, hidden, "attn_in"))
+            # In a fused qkv_proj the K rows start after every query row, the V rows after every K row.
+            q_rows, kv_rows = n_kv * rep * hd, n_kv * hd
+            starts = (0, q_rows, q_rows + kv_rows) if self.fused_qkv else (0, 0, 0)
+            for name, rows, start in zip((self.q_name, self.k_name, self.v_name), (rep * hd, hd, hd), starts):
+                out.append(OwnedSlice("attn", name, 0, n_kv, rows, hidden, "attn_in", offset=start))
                 if qkv_bias:
-                    out.append(OwnedSlice("attn", name, 0, n_kv, rows, 1, "attn_in", is_bias=True))
+                    out.append(OwnedSlice("attn", name, 0, n_kv, rows, 1, "attn_in", is_bias=True, offset=start))
             out.append(OwnedSlice("attn", self.o_name, 1, n_kv, rep * hd, hidden, "o_in"))
         n_c = shape.intermediate_size
         if n_c:
             mlp_bias = self.has_mlp_bias(config)
-            for name in (self.gate_name, self.up_name):
-                out.append(OwnedSlice("mlp", name, 0, n_c, 1, hidden, "mlp_in"))
+            # Cutting the gate and up halves of a fused gate_up_proj by the same channels keeps them equal,
+            # which Phi-3's chunk(2) needs.
+            for name, start in zip((self.gate_name, self.up_name), (0, n_c) if self.fused_gate_up else (0, 0)):
+                out.append(OwnedSlice("mlp", name, 0, n_c, 1, hidden, "mlp_in", offset=start))
                 if mlp_bias:
-                    out.append(OwnedSlice("mlp", name, 0, n_c, 1, 1, "mlp_in", is_bias=True))
+                    out.append(OwnedSlice("mlp", name, 0, n_c, 1, 1, "mlp_in", is_bias=True, offset=start))
             out.append(OwnedSlice("mlp", self.down_name, 1, n_c, 1, hidden, "down_in"))
         return out
 
@@ -359,17 +395,21 @@ class ModelFamily:
             self._remove_sub_block(layer, kind)
             return
         block = self.sub_block(layer, kind)
-        rows: dict[str, torch.Tensor] = {}
-        cols: dict[str, torch.Tensor] = {}
+        # A fused module has several slices along one axis: their kept indices are gathered in layout order
+        # (q, k, v rows; gate, up rows), so the cut module keeps the fused layout.
+        rows: dict[str, list[torch.Tensor]] = {}
+        cols: dict[str, list[torch.Tensor]] = {}
         for s in self.unit_layout(config, shape):
             if s.kind == kind and not s.is_bias:  # a bias follows its weight's rows
-                (rows if s.axis == 0 else cols)[s.module] = s.indices(keep)
+                (rows if s.axis == 0 else cols).setdefault(s.module, []).append(s.indices(keep))
         for name in dict.fromkeys([*rows, *cols]):
-            setattr(block, name, _sliced_linear(getattr(block, name), rows.get(name), cols.get(name)))
+            r, c = rows.get(name), cols.get(name)
+            setattr(block, name, _sliced_linear(getattr(block, name), None if r is None else torch.cat(r),
+                                                None if c is None else torch.cat(c)))
         if kind == "attn":
             rep = shape.num_attention_heads // shape.num_key_value_heads
             # Attention reshapes with -1 heads; only the q/kv ratio is read, and whole groups keep it.
-            modeling.set_attention_heads(block, rep * len(keep), len(keep))
+            modeling.set_attention_heads(block, rep * len(keep), len(keep), config_heads=self.attn_heads_from_config)
         else:
             modeling.set_mlp_width(block, len(keep))
 
@@ -415,7 +455,31 @@ QWEN2 = ModelFamily(
     attn_bias="qkv", mlp_bias="none",
 )
 
-MODEL_FAMILIES: dict[str, ModelFamily] = {a.name: a for a in (LLAMA, MISTRAL, QWEN2)}
+# Qwen3 and Gemma 3: q_norm / k_norm are one RMSNorm over head_dim shared by every head: nothing to slice.
+QWEN3 = ModelFamily(
+    "qwen3", Qwen3Config, Qwen3ForCausalLM, modeling.PrunedQwen3Config, modeling.PrunedQwen3ForCausalLM,
+    attn_bias="config", mlp_bias="none",
+)
+# Gemma 2 / 3: the sandwich norms act on hidden_size, soft-capping on scores/logits, the attention scale on
+# query_pre_attn_scalar: none depends on the number of heads or channels, so the generic cut is exact.
+GEMMA2 = ModelFamily(
+    "gemma2", Gemma2Config, Gemma2ForCausalLM, modeling.PrunedGemma2Config, modeling.PrunedGemma2ForCausalLM,
+    attn_bias="config", mlp_bias="none",
+)
+GEMMA3_TEXT = ModelFamily(
+    "gemma3_text", Gemma3TextConfig, Gemma3ForCausalLM, modeling.PrunedGemma3TextConfig,
+    modeling.PrunedGemma3ForCausalLM, attn_bias="config", mlp_bias="none",
+)
+PHI3 = ModelFamily(
+    "phi3", Phi3Config, Phi3ForCausalLM, modeling.PrunedPhi3Config, modeling.PrunedPhi3ForCausalLM,
+    attn_bias="none", mlp_bias="none", q_name="qkv_proj", k_name="qkv_proj", v_name="qkv_proj",
+    gate_name="gate_up_proj", up_name="gate_up_proj", fused_qkv=True, fused_gate_up=True,
+    attn_heads_from_config=True,
+)
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, PHI3)
+}
 
 
 def supported_model_types() -> list[str]:

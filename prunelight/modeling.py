@@ -24,12 +24,20 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 
@@ -75,10 +83,43 @@ def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Line
     )
 
 
-def set_attention_heads(attn: nn.Module, heads: int, kv: int) -> None:
-    """Tell a resized attention module its head counts (transformers reads the q/kv ratio from it)."""
+class AttentionConfigView:
+    """The model's config as one resized attention module sees it: its own head counts, every other field
+    read live from the model's config (so later changes there, e.g. the attention implementation, still apply).
+
+    Phi-3's attention splits its fused qkv_proj output at `config.num_attention_heads * head_dim` on every
+    forward; after pruning that width differs per layer, so each resized attention gets this view.
+    """
+
+    _OWN = ("num_attention_heads", "num_key_value_heads")
+
+    def __init__(self, config, num_attention_heads: int, num_key_value_heads: int) -> None:
+        self.__dict__["_base"] = config._base if isinstance(config, AttentionConfigView) else config
+        self.__dict__["num_attention_heads"] = num_attention_heads
+        self.__dict__["num_key_value_heads"] = num_key_value_heads
+
+    def __getattr__(self, name: str):
+        if name == "_base" or name.startswith("__"):  # copy/pickle probe dunders before __dict__ is filled
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._OWN:
+            self.__dict__[name] = value
+        else:
+            setattr(self._base, name, value)
+
+
+def set_attention_heads(attn: nn.Module, heads: int, kv: int, config_heads: bool = False) -> None:
+    """Tell a resized attention module its head counts (transformers reads the q/kv ratio from it).
+
+    `config_heads`: the module also reads its head count from `self.config` (Phi-3), so it gets an
+    `AttentionConfigView` stating its own counts.
+    """
     attn.num_key_value_groups = heads // kv
     attn.num_heads, attn.num_key_value_heads = heads, kv
+    if config_heads:
+        attn.config = AttentionConfigView(attn.config, heads, kv)
 
 
 def set_mlp_width(mlp: nn.Module, inter: int) -> None:
@@ -154,26 +195,36 @@ def config_swapped(model: nn.Module, config) -> Iterator[None]:
         model.config = saved
 
 
-def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
-    """Rebuild one decoder layer's projections at `shape` (weights are loaded afterwards)."""
+def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int, fused: bool = False) -> None:
+    """Rebuild one decoder layer's projections at `shape` (weights are loaded afterwards).
+
+    `fused`: Phi-3's layout, qkv_proj = [query rows | K rows | V rows] and gate_up_proj = [gate | up], with
+    the attention reading its query width from its config (see `AttentionConfigView`).
+    """
     heads, kv, inter = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
     attn = layer.self_attn
     if heads == 0:
         remove_attention(layer)
     elif not isinstance(attn, RemovedAttention):
-        hidden = attn.q_proj.in_features
-        attn.q_proj = _linear_like(attn.q_proj, hidden, heads * head_dim)
-        attn.k_proj = _linear_like(attn.k_proj, hidden, kv * head_dim)
-        attn.v_proj = _linear_like(attn.v_proj, hidden, kv * head_dim)
+        hidden = attn.o_proj.out_features
+        if fused:
+            attn.qkv_proj = _linear_like(attn.qkv_proj, hidden, (heads + 2 * kv) * head_dim)
+        else:
+            attn.q_proj = _linear_like(attn.q_proj, hidden, heads * head_dim)
+            attn.k_proj = _linear_like(attn.k_proj, hidden, kv * head_dim)
+            attn.v_proj = _linear_like(attn.v_proj, hidden, kv * head_dim)
         attn.o_proj = _linear_like(attn.o_proj, heads * head_dim, hidden)
-        set_attention_heads(attn, heads, kv)
+        set_attention_heads(attn, heads, kv, config_heads=fused)
     mlp = layer.mlp
     if inter == 0:
         remove_mlp(layer)
     elif not isinstance(mlp, RemovedMLP):
-        hidden = mlp.gate_proj.in_features
-        mlp.gate_proj = _linear_like(mlp.gate_proj, hidden, inter)
-        mlp.up_proj = _linear_like(mlp.up_proj, hidden, inter)
+        hidden = mlp.down_proj.out_features
+        if fused:
+            mlp.gate_up_proj = _linear_like(mlp.gate_up_proj, hidden, 2 * inter)
+        else:
+            mlp.gate_proj = _linear_like(mlp.gate_proj, hidden, inter)
+            mlp.up_proj = _linear_like(mlp.up_proj, hidden, inter)
         mlp.down_proj = _linear_like(mlp.down_proj, inter, hidden)
         set_mlp_width(mlp, inter)
 
@@ -181,6 +232,8 @@ def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int) -> None:
 class _PrunedMixin:
     """Resizes every layer to `config.layer_shapes` (and adds the `output_bias` biases) right after the stock
     constructor, before any weight is loaded."""
+
+    _fused = False  # Phi-3's fused qkv_proj / gate_up_proj (see `resize_decoder_layer`)
 
     def _resize_to_layer_shapes(self) -> None:
         shapes = getattr(self.config, "layer_shapes", None)
@@ -190,7 +243,7 @@ class _PrunedMixin:
                 raise ValueError(f"config.layer_shapes has {len(shapes)} entries for {len(layers)} layers")
             head_dim = self.config.head_dim
             for layer, shape in zip(layers, shapes):
-                resize_decoder_layer(layer, shape, head_dim)
+                resize_decoder_layer(layer, shape, head_dim, fused=self._fused)
         if getattr(self.config, "output_bias", False):
             for layer in layers:
                 add_output_biases(layer)
@@ -219,6 +272,42 @@ class PrunedQwen2Config(Qwen2Config):
     output_bias: bool = False
 
 
+def _explicit_head_dim(config) -> None:
+    """Stock validation wants hidden_size % num_attention_heads == 0; a pruned config states head_dim instead."""
+    if not getattr(config, "head_dim", None):
+        raise ValueError("a pruned config needs an explicit head_dim")
+
+
+class PrunedQwen3Config(Qwen3Config):
+    model_type = "prunelight_qwen3"
+    layer_shapes: list | None = None
+    output_bias: bool = False
+
+
+class PrunedGemma2Config(Gemma2Config):
+    model_type = "prunelight_gemma2"
+    layer_shapes: list | None = None
+    output_bias: bool = False
+
+    def validate_architecture(self):
+        _explicit_head_dim(self)
+
+
+class PrunedGemma3TextConfig(Gemma3TextConfig):
+    model_type = "prunelight_gemma3_text"
+    layer_shapes: list | None = None
+    output_bias: bool = False
+
+    def validate_architecture(self):
+        _explicit_head_dim(self)
+
+
+class PrunedPhi3Config(Phi3Config):
+    model_type = "prunelight_phi3"
+    layer_shapes: list | None = None
+    output_bias: bool = False
+
+
 class PrunedLlamaForCausalLM(_PrunedMixin, LlamaForCausalLM):
     config_class = PrunedLlamaConfig
 
@@ -243,7 +332,43 @@ class PrunedQwen2ForCausalLM(_PrunedMixin, Qwen2ForCausalLM):
         self._resize_to_layer_shapes()
 
 
-PRUNED_MODELS = (PrunedLlamaForCausalLM, PrunedMistralForCausalLM, PrunedQwen2ForCausalLM)
+class PrunedQwen3ForCausalLM(_PrunedMixin, Qwen3ForCausalLM):
+    config_class = PrunedQwen3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedGemma2ForCausalLM(_PrunedMixin, Gemma2ForCausalLM):
+    config_class = PrunedGemma2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedGemma3ForCausalLM(_PrunedMixin, Gemma3ForCausalLM):
+    config_class = PrunedGemma3TextConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedPhi3ForCausalLM(_PrunedMixin, Phi3ForCausalLM):
+    config_class = PrunedPhi3Config
+    _fused = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+PRUNED_MODELS = (
+    PrunedLlamaForCausalLM, PrunedMistralForCausalLM, PrunedQwen2ForCausalLM, PrunedQwen3ForCausalLM,
+    PrunedGemma2ForCausalLM, PrunedGemma3ForCausalLM, PrunedPhi3ForCausalLM,
+)
 
 
 def register_auto_classes() -> None:

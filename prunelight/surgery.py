@@ -73,7 +73,8 @@ def mask_units(model: nn.Module, plan: PrunePlan) -> None:
     """Zero the removed units in place without changing shapes (the reference for surgery tests).
 
     Only the weights that read a unit's output (o_proj / down_proj input columns) are zeroed:
-    that silences the unit exactly, as removing it would.
+    that silences the unit exactly, as removing it would. A sub-block left with no unit (or in a dropped
+    layer) also loses that projection's bias, which belongs to no unit but goes with the sub-block.
     """
     family = get_family(model)
     num_units = {"attn": plan.num_groups, "mlp": plan.num_channels}
@@ -88,3 +89,5 @@ def mask_units(model: nn.Module, plan: PrunePlan) -> None:
                 gone = [u for u in range(num_units[owned.kind][i]) if u not in keep[owned.kind]]
                 if gone:
                     owned.param[:, owned.spec.indices(gone)] = 0
+                    if len(gone) == num_units[owned.kind][i] and owned.module.bias is not None:
+                        owned.module.bias.zero_()

@@ -6,9 +6,26 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
+# Every tiny model the per-family checks run on: each family, plus Llama 3.2's tied embeddings.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    **{name: (name, {}) for name in FAMILIES},
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+}
+# Families whose tiny model gets random norm weights and biases (stock init: ones / zeros), so the exactness
+# checks see q_norm / k_norm, the sandwich norms and the biases act.
+_RANDOM_NORMS = ("qwen3", "gemma2", "gemma3_text", "phi3")
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -34,6 +51,19 @@ def tiny_config(family: str = "llama", **overrides):
         return Qwen2Config(**common)
     if family == "mistral":
         return MistralConfig(sliding_window=None, **common)
+    if family == "qwen3":  # per-head q_norm / k_norm; biased q/k/v/o to check their slicing
+        return Qwen3Config(**{"attention_bias": True, **common})
+    # Gemma: tied embeddings, scale from query_pre_attn_scalar (not head_dim), soft-capping low enough to
+    # bend the tiny model's scores and logits, and alternating sliding (window 4) / full attention layers.
+    gemma = {"tie_word_embeddings": True, "query_pre_attn_scalar": 24, "sliding_window": 4}
+    if family == "gemma2":
+        return Gemma2Config(**{**common, **gemma, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                               **overrides})
+    if family == "gemma3_text":
+        return Gemma3TextConfig(**{**common, **gemma, "sliding_window_pattern": 2, **overrides})
+    if family == "phi3":  # fused qkv_proj / gate_up_proj; partial rotary as in Phi-4-mini
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return Phi3Config(**{"rope_parameters": rope, **common})
     raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
 
 
@@ -41,11 +71,13 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     """A tiny random causal LM in fp32 with eager attention (deterministic under `seed`)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager")
-    if family == "qwen2":  # stock init zeroes biases; random ones make the bias-slicing checks meaningful
+    if family in ("qwen2", *_RANDOM_NORMS):  # stock init zeroes biases; random ones make bias slicing visible
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.1)
+                elif family in _RANDOM_NORMS and p.dim() == 1:  # norm weights
+                    p.add_(torch.randn_like(p) * 0.2)
     return model.eval()
 
 

@@ -12,12 +12,20 @@ import torch
 
 from prunelight.allocation import precheck
 from prunelight.calibration import run_calibration
+from prunelight.families import MODEL_FAMILIES
 from prunelight.importance import build_criterion
 from prunelight.importance.ownership import owned_tensors
-from prunelight.testing import allocate_flat, settings_of, tiny_model
+from prunelight.testing import FAMILIES, allocate_flat, settings_of, tiny_model
 
 LLM_PRUNER = ("taylor_element", "taylor_second", "taylor_mix")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(params=[f for f in FAMILIES if not MODEL_FAMILIES[f].fused_qkv])
+def family(request) -> str:
+    """The reference below reads separate q/k/v and gate/up projections; Phi-3's fused ones are checked against
+    an unfused Llama with the same weights (tests/test_families_modern.py)."""
+    return request.param
 
 
 def _ids(n: int, t: int = 12, seed: int = 0) -> torch.Tensor:

@@ -33,7 +33,7 @@ def _zero_unit(model, layer: int, group: int, channel: int) -> None:
                 unit = channel
             else:
                 continue
-            p = owned.param
+            p = owned.spec.owned_part(owned.param)  # a fused projection's slice (Phi-3), else the whole tensor
             if owned.axis == 0:
                 p.view(owned.units, -1)[unit] = 0
             else:

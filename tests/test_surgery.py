@@ -45,7 +45,8 @@ def test_shapes_and_ratio_kept(tiny):
     for s in shapes:
         assert s.num_attention_heads // s.num_key_value_heads == 2
     attn = tiny.model.layers[0].self_attn
-    assert attn.q_proj.out_features == 32 and attn.o_proj.in_features == 32
+    q_rows = get_family(tiny).qkv(attn)[0].out_features  # Phi-3's fused qkv_proj also holds the K and V rows
+    assert q_rows == (32 + 2 * 16 if get_family(tiny).fused_qkv else 32) and attn.o_proj.in_features == 32
     assert tiny.config.layer_shapes[0] == {"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32}
 
 

@@ -115,9 +115,10 @@ class TaylorMixCriterion(_LLMPrunerCriterion):
 
     def _register(self, model: nn.Module, family: ModelFamily) -> None:
         super()._register(model, family)
-        # Per scored weight, in `self._owned` order: [sum_s g_s, sum_s g_s^2] in fp32.
+        # Per scored weight, in `self._owned` order: [sum_s g_s, sum_s g_s^2] in fp32 (the owned part of a fused one).
         self._sums = [
-            (torch.zeros_like(o.param, dtype=torch.float32), torch.zeros_like(o.param, dtype=torch.float32))
+            (torch.zeros_like(o.spec.owned_part(o.param), dtype=torch.float32),
+             torch.zeros_like(o.spec.owned_part(o.param), dtype=torch.float32))
             for o in self._owned
         ]
         self._index = {id(o): i for i, o in enumerate(self._owned)}
@@ -125,6 +126,7 @@ class TaylorMixCriterion(_LLMPrunerCriterion):
 
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
         g_sum, g2_sum = self._sums[self._index[id(owned)]]
+        g = owned.spec.owned_part(g)
         g_sum.add_(g)
         g2_sum.addcmul_(g, g)
         # A cheap per-unit gradient sum, only so calibration's non-finite check sees NaN/inf gradients;
@@ -149,7 +151,7 @@ class TaylorMixCriterion(_LLMPrunerCriterion):
         for i, owned in enumerate(self._owned):
             g_sum, g2_sum = self._sums[i]
             self._sums[i] = None  # freed as soon as this tensor is scored
-            w = owned.param.detach().float()
+            w = owned.spec.owned_part(owned.param.detach().float())
             first = g_sum.mul_(w).div_(n)  # w * g_bar
             second = g2_sum.mul_(w).mul_(w).mul_(0.5 / n)  # 0.5 * w * H * w
             out[owned.kind][owned.layer] += owned.to_units(first.sub_(second).abs_())

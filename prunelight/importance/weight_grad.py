@@ -40,7 +40,8 @@ class WeightGradCriterion(Criterion):
         return [o for o in owned_tensors(model) if self.scores_biases or not o.is_bias]
 
     def grad_params(self, model: nn.Module) -> list[nn.Parameter]:
-        return [o.param for o in self.scored(model)]
+        # Once each: the slices of a fused projection share one parameter.
+        return list({id(o.param): o.param for o in self.scored(model)}.values())
 
     @abstractmethod
     def accumulate(self, owned: OwnedTensor, w: torch.Tensor, g: torch.Tensor) -> None:
@@ -48,13 +49,19 @@ class WeightGradCriterion(Criterion):
 
     def _register(self, model: nn.Module, family: ModelFamily) -> None:
         self._owned = self.scored(model)
+        # A fused projection (Phi-3's qkv_proj) is owned by several slices: one hook reads them all, then frees.
+        by_param: dict[int, list[OwnedTensor]] = {}
         for owned in self._owned:
-            self._handles.append(owned.param.register_post_accumulate_grad_hook(self._hook(owned)))
+            by_param.setdefault(id(owned.param), []).append(owned)
+        for slices in by_param.values():
+            self._handles.append(slices[0].param.register_post_accumulate_grad_hook(self._hook(slices)))
 
-    def _hook(self, owned: OwnedTensor):
+    def _hook(self, slices: list[OwnedTensor]):
         def hook(p: torch.Tensor) -> None:
             with torch.no_grad():
-                self.accumulate(owned, p.detach().float(), p.grad.float())
+                w, g = p.detach().float(), p.grad.float()
+                for owned in slices:
+                    self.accumulate(owned, w, g)
             p.grad = None  # the reduced statistic is all we keep
 
         return hook
