@@ -53,6 +53,8 @@ class PruneLM(L.LightningModule):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         check_mode(recovery)
+        if isinstance(distillation, dict):  # load_from_checkpoint passes the stored hyper-parameters back
+            distillation = DistillationSettings(**distillation)
         # Plain types only: Lightning restores checkpoints with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["lora", "distillation"])
         self.hparams["lora"] = (lora or LoRASettings()).as_dict()

@@ -77,10 +77,10 @@ def test_killed_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):
     assert ckpt.exists(), killed.stderr.read().decode()[-3000:]
 
     resumed = subprocess.run(_args(tiny, files, tmp_path / "resumed", steps) + [f"--ckpt_path={ckpt}"],
-                             env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                             env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = subprocess.run(_args(tiny, files, tmp_path / "straight", steps), env=_env(), cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
