@@ -89,7 +89,7 @@ class PrunelightCLI(LightningCLI):
         config.model.pretrained = handoff["pretrained"]
         fresh = self._parser(self.subcommand).instantiate_classes(config)
         model = fresh.model
-        model.adopt_pruned(handoff["plan"], record=self.model.record)
+        model.adopt_pruned(handoff["plan"], record=self.model.record, dense=self.model.dense_pretrained)
         # The same callback objects carry on (PruningCallback is marked done); the config saver ran already.
         callbacks = [cb for cb in self.trainer.callbacks if not isinstance(cb, SaveConfigCallback)]
         self.model = model

@@ -12,7 +12,7 @@ from typing import Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,60 @@ class BlockDataset(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.blocks[i]
+
+
+class EpochShuffle(RandomSampler):
+    """A fresh permutation each epoch, drawn from `seed` and the epoch number alone, so a resumed run replays it.
+
+    A RandomSampler, so that under DDP Lightning swaps it for a DistributedSampler (itself seeded by epoch).
+    """
+
+    def __init__(self, data_source: Dataset, seed: int) -> None:
+        super().__init__(data_source)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at the start of every epoch (also after a resume, with the restored epoch)."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=gen).tolist()
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position in the epoch survives a checkpoint.
+
+    Lightning's fit loop saves `state_dict()` of stateful training loaders in the checkpoint and calls
+    `load_state_dict()` on resume; the next epoch's iterator then skips the batches already trained on.
+    """
+
+    _resume: dict | None = None
+    _epoch = 0
+    _yielded = 0
+
+    def __iter__(self):
+        # A generator: runs at the first batch, after Lightning's set_epoch on the sampler.
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        skip = 0
+        if self._resume is not None:
+            skip = int(self._resume["batches"]) if int(self._resume["epoch"]) == epoch else 0
+            self._resume = None
+        self._epoch, self._yielded = epoch, skip
+        it = super().__iter__()
+        for _ in range(skip):  # blocks are in memory: skipping by loading is cheap and works with workers
+            next(it)
+        for batch in it:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """The epoch and how many of its batches were handed out."""
+        return {"epoch": self._epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at `state`'s position (applied by the next iterator)."""
+        self._resume = dict(state)
 
 
 def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -288,7 +342,11 @@ class PruneDataModule(L.LightningDataModule):
         return list(torch.split(mine, self.calibration_batch_size))
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_blocks, self.batch_size, shuffle=True)
+        """Shuffled training blocks; the order and the position in it are restored on resume."""
+        data = BlockDataset(self.train_blocks)
+        # The generator only seeds DataLoader workers, so creating iterators never draws from the global RNG.
+        return ResumableLoader(data, batch_size=self.batch_size, sampler=EpochShuffle(data, self.seed),
+                               generator=torch.Generator().manual_seed(self.seed), num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.eval_blocks, self.eval_batch_size, shuffle=False)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import random
 import time
 from typing import Literal
 
@@ -10,6 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from prunelight.distill import DistillationSettings, describe_teacher, hidden_mse, logit_distillation
 from prunelight.families import get_family, unwrap
 from prunelight.errors import check_local_path, hub_download
 from prunelight.metrics import TokenPerplexity
@@ -44,14 +47,18 @@ class PruneLM(L.LightningModule):
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        distillation: DistillationSettings | None = None,
     ) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         check_mode(recovery)
+        if isinstance(distillation, dict):  # load_from_checkpoint passes the stored hyper-parameters back
+            distillation = DistillationSettings(**distillation)
         # Plain types only: Lightning restores checkpoints with torch.load(weights_only=True).
-        self.save_hyperparameters(ignore=["lora"])
+        self.save_hyperparameters(ignore=["lora", "distillation"])
         self.hparams["lora"] = (lora or LoRASettings()).as_dict()
+        self.hparams["distillation"] = distillation.as_dict() if distillation else None
         self.pretrained, self.model_config = pretrained, config
         self.dtype_name = dtype
         self.attn_implementation = attn_implementation
@@ -67,6 +74,11 @@ class PruneLM(L.LightningModule):
         self.pretrained_is_pruned = False  # True when `pretrained` already holds the cut weights (DeepSpeed hand-off)
         self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
+        self.distillation = distillation
+        self.dense_pretrained = pretrained  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
+        # Not a registered submodule: outside state_dict(), parameters(), the optimizer and Lightning's .train().
+        object.__setattr__(self, "_teacher", None)
+        self._rng_to_restore: dict | None = None
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
 
@@ -192,7 +204,15 @@ class PruneLM(L.LightningModule):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+        if self._rng_to_restore is not None:
+            # Resumed run: continue the RNG streams (LoRA dropout) exactly where the checkpoint left them.
+            _restore_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+        distill = self.distillation is not None and self.plan is not None  # the teacher exists only after the cut
+        if distill:
+            loss = self._distillation_loss(batch)
+        else:
+            loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"training loss is {loss.item()} at step {self.global_step}: lower the learning rate "
@@ -200,6 +220,84 @@ class PruneLM(L.LightningModule):
             )
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _distillation_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """alpha * distill + (1 - alpha) * CE on one batch (prunelight.distill documents each term)."""
+        d = self.distillation
+        out = self.model(input_ids=batch, labels=batch, use_cache=False, output_hidden_states=d.hidden)
+        teacher = self.teacher()
+        with torch.no_grad():
+            t_hidden = teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        logits = out.logits
+        term = logit_distillation(logits.reshape(-1, logits.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]),
+                                  teacher.get_output_embeddings(), d.loss, d.temperature, d.chunk_tokens)
+        if d.hidden:
+            term = term + hidden_mse(out.hidden_states[-1], t_hidden)
+        self.log_dict({"train_ce": out.loss.detach(), "train_distill": term.detach()})
+        return d.alpha * term + (1.0 - d.alpha) * out.loss
+
+    # --- the teacher (distillation) -------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.distillation is None or self._trainer is None:
+            return
+        from prunelight.distributed import zero_stage
+
+        if zero_stage(self._trainer.strategy) == 3:
+            raise ValueError("model.distillation is not allowed under DeepSpeed ZeRO-3: the teacher would be a full "
+                             "unpartitioned copy on every GPU; use DDP or ZeRO stage 1/2, or model.distillation: null")
+
+    def snapshot_teacher(self) -> None:
+        """Keep a frozen copy of the dense model as the teacher; called by the cut just before the surgery."""
+        from prunelight.distributed import needs_fresh_engine
+
+        if self.distillation is None or self.distillation.teacher or self._teacher is not None:
+            return
+        if self._trainer is not None and needs_fresh_engine(self._trainer.strategy):
+            return  # the engine's weights are partitioned; the fresh engine loads the teacher from `pretrained`
+        self._set_teacher(copy.deepcopy(self.base_model))
+
+    def teacher(self) -> nn.Module:
+        """The frozen teacher, loaded on first use (after a resume or the DeepSpeed hand-off: from its folder)."""
+        if self._teacher is None:
+            self._set_teacher(self._load_teacher())
+        if self._teacher.device != self.device:
+            self._teacher.to(self.device)
+        return self._teacher
+
+    def _set_teacher(self, model: nn.Module) -> None:
+        model = unwrap(model).to(device=self.device, dtype=DTYPES[self.dtype_name]).eval()
+        model.requires_grad_(False)
+        object.__setattr__(self, "_teacher", model)
+
+    def _load_teacher(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        source = self.distillation.teacher or self.dense_pretrained
+        option = "model.distillation.teacher" if self.distillation.teacher else "model.pretrained"
+        if source is None or (self.model_config is not None and not self.distillation.teacher):
+            raise ValueError("model.distillation.teacher=null cannot be rebuilt for a model built from `config`: "
+                             "give model.distillation.teacher a folder")
+        check_local_path(option, source)
+        kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        with hub_download(option, source):
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        want, have = self.base_model.config.vocab_size, model.config.vocab_size
+        if want != have:
+            raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "
+                             f"tokens, the model's {want}; use a teacher with the same tokenizer")
+        if self.distillation.hidden and model.config.hidden_size != self.base_model.config.hidden_size:
+            raise ValueError(f"model.distillation.hidden=True is not allowed with teacher {source!r}: hidden sizes "
+                             f"differ ({model.config.hidden_size} vs {self.base_model.config.hidden_size})")
+        log.info("distillation teacher loaded from %s", source)
+        return model
+
+    def distillation_record(self) -> dict | None:
+        """What the report says about the distillation: the teacher and the loss."""
+        if self.distillation is None:
+            return None
+        return {**self.distillation.as_dict(), "teacher": describe_teacher(self.distillation, self.dense_pretrained)}
 
     def on_before_optimizer_step(self, optimizer) -> None:
         for name, p in self.model.named_parameters():
@@ -223,11 +321,16 @@ class PruneLM(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def adopt_pruned(self, plan: dict, record: RunRecord) -> None:
-        """Mark `pretrained` as the already-cut model of `plan` (recovery continuing in a fresh engine)."""
+    def adopt_pruned(self, plan: dict, record: RunRecord, dense: str | None = None) -> None:
+        """Mark `pretrained` as the already-cut model of `plan` (recovery continuing in a fresh engine).
+
+        `dense`: the original model, still the distillation teacher's source.
+        """
         if self.model is not None:
             raise RuntimeError("adopt_pruned must be called before the model is loaded")
         self.plan = PrunePlan.from_dict(plan)
+        if dense is not None:
+            self.dense_pretrained = dense
         self.pretrained_is_pruned = True
         self.record = record
 
@@ -256,11 +359,15 @@ class PruneLM(L.LightningModule):
             "report": self.record.to_dict(),
             "reconstructed": self.reconstructed,
             "output_bias": bool(getattr(self.base_model.config, "output_bias", False)),
+            "dense_pretrained": self.dense_pretrained,
+            "rng": _rng_states(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Rebuild the pruned (and LoRA-wrapped) structure so the saved state dict fits.
         state = checkpoint.get(CKPT_KEY) or {}
+        self.dense_pretrained = state.get("dense_pretrained", self.dense_pretrained)
+        self._rng_to_restore = state.get("rng")  # applied at the first training step, after all setup draws
         if state.get("pretrained_is_pruned") and self.model is None:
             self.plan = PrunePlan.from_dict(state["plan"])
             self.pretrained_is_pruned = True
@@ -285,3 +392,28 @@ class PruneLM(L.LightningModule):
 def trainable_keys(module: nn.Module) -> set[str]:
     """State-dict keys of the parameters that train (LoRA adapters), as `module.state_dict()` names them."""
     return {name for name, p in module.named_parameters() if p.requires_grad}
+
+
+def _rng_states() -> dict:
+    """The global random states a training step draws from (torch CPU/CUDA, Python, NumPy)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # Plain types: Lightning loads checkpoints with weights_only=True, which refuses NumPy arrays.
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
+              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _restore_rng_states(states: dict) -> None:
+    """Inverse of `_rng_states` (a CUDA state is restored only where CUDA runs)."""
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -35,6 +35,7 @@ class RecoveryRecord:
     mode: str
     steps: int
     lora: dict[str, Any] | None = None
+    distillation: dict[str, Any] | None = None  # DistillationSettings plus the teacher as named; None: plain CE
 
 
 @dataclass

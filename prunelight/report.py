@@ -108,6 +108,16 @@ def _suite_headline(ev: dict) -> tuple[dict, dict] | None:
     return {m: r["ppl"] for m, r in first.items()}, next(iter(first.values()))
 
 
+def recovery_line(rec: dict) -> str:
+    """How the cut model was recovered, in one line: mode, steps, and the distillation's teacher and loss."""
+    line = f"{rec.get('mode')}, {rec.get('steps')} steps"
+    d = rec.get("distillation")
+    if d:
+        line += (f"; distillation from {d['teacher']}: {d['alpha']} x {d['loss']} (T={d['temperature']}"
+                 f"{', + hidden-state MSE' if d.get('hidden') else ''}) + {1 - d['alpha']:.2g} x next-token CE")
+    return line
+
+
 def render_markdown(report: dict) -> str:
     """A short human-readable summary of a run report."""
     ppl = report.get("ppl", {})
@@ -120,6 +130,7 @@ def render_markdown(report: dict) -> str:
         *([warn, ""] if warn else []),
         f"Model: `{report.get('model', 'n/a')}`  ",
         *([f"Criterion: `{cal.get('criterion')}`, allocation: `{cal.get('allocation')}`, target ratio: {cal.get('ratio')}  "] if cal else []),
+        *([f"Recovery: {recovery_line(report['recovery'])}  "] if report.get("recovery") else []),
     ]
     eval_line = (f"Evaluation: `{report.get('eval', {}).get('source')}`, "
                  f"{report.get('eval', {}).get('seq_len')} tokens per window")

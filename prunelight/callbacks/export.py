@@ -50,7 +50,8 @@ class ExportCallback(L.Callback):
         record = pl_module.record
         record.model = pl_module.pretrained if pl_module.model_config is None else "config"
         record.recovery = RecoveryRecord(mode=pl_module.recovery, steps=trainer.global_step,
-                                         lora=pl_module.lora.as_dict() if pl_module.recovery == "lora" else None)
+                                         lora=pl_module.lora.as_dict() if pl_module.recovery == "lora" else None,
+                                         distillation=pl_module.distillation_record())
         base = pl_module.base_model
         if not sharded:
             record.params_after = count_params(base)

@@ -170,6 +170,7 @@ class PruningCallback(L.Callback):
             pl_module.handoff = {"pretrained": str(out), "plan": plan.to_dict()}
             trainer.should_stop = True  # checked before the first epoch: no step and no checkpoint of the dense model
         else:
+            pl_module.snapshot_teacher()  # distillation's dense teacher: a frozen copy before the surgery
             if s.reconstruct != "none":  # the cut, layer by layer, with each layer's repair fitted before it
                 record.reconstruction = pl_module.apply_plan_reconstructed(
                     plan, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device))

@@ -1,0 +1,168 @@
+"""Recovery by distillation: the loss against independent formulas, chunking, the frozen teacher, and a CLI run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prunelight.callbacks import PruningCallback
+from prunelight.cli import cli_main
+from prunelight.distill import DistillationSettings, logit_distillation
+from prunelight.module import PruneLM
+from prunelight.recovery import LoRASettings
+from prunelight.settings import PruneSettings, SettingsError
+from prunelight.testing import make_tiny_checkpoint, tiny_tokenizer, write_tiny_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _reference(s: torch.Tensor, t: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """The distillation term from torch.nn.functional on the full logits."""
+    if kind == "mse_logits":
+        return F.mse_loss(s, t)
+    log_s, log_t = F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1)
+    if kind == "kl":  # KL(teacher || student)
+        return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
+    return F.kl_div(log_t, log_s, log_target=True, reduction="batchmean") * temperature**2  # KL(student || teacher)
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "mse_logits"])
+@pytest.mark.parametrize("chunk", [None, 4, 5, 100])
+def test_loss_equals_an_independent_computation_chunked_or_not(kind, chunk):
+    torch.manual_seed(0)
+    student = torch.randn(13, 50, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(13, 50, dtype=torch.float64) * 2
+    ours = logit_distillation(student, teacher, nn.Identity(), kind, temperature=2.0, chunk_tokens=chunk)
+    (grad,) = torch.autograd.grad(ours, student)
+    ref = _reference(student, teacher, kind, 2.0)
+    (ref_grad,) = torch.autograd.grad(ref, student)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_teacher_head_equals_the_full_logits():
+    """The teacher's LM head applied chunk by chunk gives the loss of its full logits."""
+    torch.manual_seed(1)
+    head = nn.Linear(16, 40, bias=False)
+    hidden = torch.randn(23, 16)
+    student = torch.randn(23, 40, requires_grad=True)
+    full = logit_distillation(student, head(hidden).detach(), nn.Identity(), "kl", 1.5, None)
+    chunked = logit_distillation(student, hidden, head, "kl", 1.5, chunk_tokens=6)
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-6)
+    assert head.weight.grad is None, "the teacher head must not receive gradients"
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("alpha", 1.5, "model.distillation.alpha=1.5 is not allowed: must be a number in [0.0, 1.0]"),
+    ("temperature", 0.0, "model.distillation.temperature=0.0 is not allowed"),
+    ("loss", "js", "model.distillation.loss='js' is not allowed: use one of kl, reverse_kl, mse_logits"),
+    ("chunk_tokens", 0, "model.distillation.chunk_tokens=0 is not allowed"),
+    ("teacher", "", "model.distillation.teacher='' is not allowed"),
+])
+def test_bad_settings_fail_with_one_line(field, value, match):
+    with pytest.raises(SettingsError, match=match.replace("[", r"\[").replace("]", r"\]")):
+        DistillationSettings(**{field: value})
+
+
+def _module(tmp_path, recovery="lora", **distill) -> PruneLM:
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    return PruneLM(pretrained=str(ckpt), recovery=recovery, attn_implementation="eager",
+                   lora=LoRASettings(r=4, alpha=8, dropout=0.0), learning_rate=1e-2,
+                   distillation=DistillationSettings(**distill))
+
+
+def _dm(tmp_path):
+    from prunelight.data import PruneDataModule, TextSource
+
+    files = write_tiny_corpus(tmp_path / "data")
+    dm = PruneDataModule(calibration=TextSource(path=str(files["valid"])), eval=TextSource(path=str(files["test"])),
+                         train=TextSource(path=str(files["train"])), num_samples=8, seq_len=16, batch_size=4,
+                         max_eval_blocks=4)
+    dm.set_tokenizer(tiny_tokenizer())
+    return dm
+
+
+def test_alpha_zero_is_plain_ce_and_a_twin_teacher_gives_zero_kl(tmp_path):
+    module = _module(tmp_path, recovery="full", alpha=0.0)
+    module.configure_model()
+    module.snapshot_teacher()  # before any change: the teacher is the student's twin
+    batch = torch.randint(3, 128, (2, 12))
+    ce = module.model(input_ids=batch, labels=batch, use_cache=False).loss
+    torch.testing.assert_close(module._distillation_loss(batch), ce, rtol=0, atol=1e-6)
+    module.distillation = DistillationSettings(alpha=1.0, loss="kl", temperature=2.0, hidden=True)
+    assert module._distillation_loss(batch).abs().item() < 1e-5
+
+
+@pytest.mark.parametrize("recovery", ["lora", "full"])
+def test_teacher_is_frozen_outside_the_optimizer_and_the_checkpoint(tmp_path, recovery):
+    torch.manual_seed(0)
+    module, dm = _module(tmp_path, recovery=recovery, alpha=0.5, temperature=2.0), _dm(tmp_path)
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[PruningCallback(PruneSettings(ratio=0.25)), ckpt_cb])
+    module.configure_model()
+    dense = {k: v.clone() for k, v in module.base_model.state_dict().items()}
+    trainer.fit(module, dm)
+
+    teacher = module._teacher
+    assert teacher is not None and not teacher.training
+    assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
+    assert {k: v for k, v in teacher.state_dict().items()}.keys() == dense.keys()
+    for k, v in teacher.state_dict().items():
+        assert torch.equal(v, dense[k]), f"the teacher must stay the dense model ({k} changed)"
+    in_opt = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert not in_opt & {id(p) for p in teacher.parameters()}
+    assert not any(n.startswith("_teacher") for n, _ in module.named_parameters())
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert not any("teacher" in k for k in saved["state_dict"])
+    if recovery == "full":  # every saved weight is the student's: the cut shapes, not the dense ones
+        assert saved["state_dict"]["model.model.layers.0.mlp.down_proj.weight"].shape[1] < 96
+    assert len(saved["optimizer_states"]) == 1
+    n_opt = sum(len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"])
+    assert n_opt == sum(1 for p in module.model.parameters() if p.requires_grad)
+
+
+def test_distillation_is_refused_under_zero3(tmp_path):
+    module = _module(tmp_path, alpha=0.5)
+
+    class FakeTrainer:
+        strategy = None
+
+    from unittest import mock
+
+    with mock.patch("prunelight.distributed.zero_stage", return_value=3):
+        module._trainer = FakeTrainer()
+        with pytest.raises(ValueError, match="not allowed under DeepSpeed ZeRO-3"):
+            module.setup("fit")
+
+
+def test_lora_distillation_run_via_the_cli_names_teacher_and_loss(tmp_path, monkeypatch):
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    cli_main([
+        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
+        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
+        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
+        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
+        "--trainer.limit_val_batches=0", "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+        "--model.distillation.alpha=0.7", "--model.distillation.loss=reverse_kl",
+        "--model.distillation.temperature=2.0", "--model.distillation.chunk_tokens=5",
+        "--export.out_dir=runs/d",
+    ])
+    report = json.loads((tmp_path / "runs" / "d" / "report.json").read_text())
+    rec = report["recovery"]
+    assert rec["mode"] == "lora" and rec["steps"] == 3
+    assert rec["distillation"]["loss"] == "reverse_kl" and rec["distillation"]["alpha"] == 0.7
+    assert rec["distillation"]["teacher"] == f"dense model before the cut ({ckpt})"
+    metrics = next((tmp_path / "runs" / "d" / "lightning_logs").rglob("metrics.csv")).read_text()
+    assert "train_distill" in metrics and "train_ce" in metrics
+    assert "distillation" in (tmp_path / "runs" / "d" / "report.md").read_text().lower()
