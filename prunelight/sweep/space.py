@@ -7,6 +7,8 @@ import io
 import itertools
 import json
 import math
+import sys
+import unittest.mock
 from typing import Any
 
 from prunelight.settings import _bad
@@ -104,7 +106,9 @@ def resolved_config(base: list[str]) -> dict[str, Any]:
 
     args = ["fit"] + [a for b in base for a in ("--config", b)] + ["--print_config"]
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+    # sys.argv is the sweep's own command line; LightningCLI warns when it sees both it and `args`.
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit), \
+            unittest.mock.patch.object(sys, "argv", sys.argv[:1]):
         cli_main(args)
     return yaml.safe_load(buf.getvalue()) or {}
 

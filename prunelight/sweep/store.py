@@ -1,7 +1,7 @@
 """Where a sweep keeps its trials: the Optuna study (journal file or RDB), trial records, heartbeats and stale trials.
 
 Optuna does the bookkeeping: trial numbers, states (a finished trial is never run again), several workers on
-one study, the grid's points (GridSampler), retries of killed trials (RetryFailedTrialCallback). What
+one study, the grid's points (GridSampler), retries of killed trials (RetryHeartbeatStaleTrialCallback). What
 Optuna's journal storage lacks is a heartbeat: each worker writes one into the running trial's user
 attributes (`heartbeat`, with its `worker` host:pid), and a trial whose worker process is gone (same host)
 or whose heartbeat is older than 3 intervals is failed as stale and retried. RDB storages use Optuna's own
@@ -32,9 +32,21 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def retry_callback(max_retries: int):
+    """Optuna's callback that queues a stale trial again with the same parameters (at most `max_retries` times)."""
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return RetryHeartbeatStaleTrialCallback(max_retry=max_retries)
+
+
 def open_storage(settings: SweepSettings):
     """The study's storage: a journal file in out_dir by default, else the RDB URL (with Optuna's heartbeat)."""
-    from optuna.storages import JournalStorage, RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import JournalStorage, RDBStorage
     from optuna.storages.journal import JournalFileBackend
 
     if settings.storage is None:
@@ -43,7 +55,7 @@ def open_storage(settings: SweepSettings):
         return JournalStorage(JournalFileBackend(str(path)))
     return RDBStorage(settings.storage, heartbeat_interval=settings.heartbeat_s,
                       grace_period=STALE_INTERVALS * settings.heartbeat_s,
-                      failed_trial_callback=RetryFailedTrialCallback(max_retry=settings.max_retries))
+                      failed_trial_callback=retry_callback(settings.max_retries))
 
 
 def make_sampler(settings: SweepSettings):
@@ -97,7 +109,6 @@ def is_stale(trial, heartbeat_s: int, check_age: bool, now: float | None = None)
 
 def fail_stale(study, settings: SweepSettings) -> list[int]:
     """Fail the running trials of dead workers and enqueue their retries (up to max_retries); their numbers."""
-    from optuna.storages import RetryFailedTrialCallback
     from optuna.trial import TrialState
 
     storage = study._storage
@@ -107,16 +118,16 @@ def fail_stale(study, settings: SweepSettings) -> list[int]:
         why = is_stale(t, settings.heartbeat_s, check_age=not native)
         if why is None:
             continue
-        try:
-            if not storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+        try:  # the attributes first: a finished trial cannot be updated
+            storage.set_trial_user_attr(t._trial_id, "stale", True)
+            storage.set_trial_user_attr(t._trial_id, "error", f"stale: {why}")
+            if storage.set_trial_state_values(t._trial_id, TrialState.FAIL) is False:
                 continue
         except Exception:  # another worker failed it first
             continue
-        storage.set_trial_user_attr(t._trial_id, "stale", True)
-        storage.set_trial_user_attr(t._trial_id, "error", f"stale: {why}")
         log.warning("sweep: trial %d was running when %s; marked failed%s", t.number, why,
                     "" if settings.max_retries == 0 else " and queued for a retry")
-        RetryFailedTrialCallback(max_retry=settings.max_retries)(study, storage.get_trial(t._trial_id))
+        retry_callback(settings.max_retries)(study, storage.get_trial(t._trial_id))
         failed.append(t.number)
     return failed
 

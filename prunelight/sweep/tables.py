@@ -188,7 +188,8 @@ def costs_table(results: dict) -> Table:
         ts = t.get("times_s") or {}
         reuse = t.get("reuse") or {}
         state = t["state"].lower() + (" (stale)" if t.get("stale") else "")
-        rows.append([str(t["number"]), state, *(str(t["params"].get(k, "")) for k in keys),
+        rows.append([str(t["number"]), state, *(model_of(t, results) if k == results.get("model_key")
+                                                 else str(t["params"].get(k, "")) for k in keys),
                      *(_fmt(ts.get(p), 1) if ts.get(p) is not None else "—"
                        for p in ("scoring", "recovery", "evaluation", "wall")),
                      _fmt(t.get("peak_rss_mib"), 0) if t.get("peak_rss_mib") else "—",
@@ -197,6 +198,32 @@ def costs_table(results: dict) -> Table:
             "peak = the trial process's peak RSS)",
             ["trial", "state", *keys, "scoring s", "recovery s", "evaluation s", "wall s", "peak MiB",
              "scores", "dense eval"], rows)
+
+
+def cost_summary_table(results: dict) -> Table:
+    """Per model: trials, total and mean wall time, mean scoring time with and without a score-cache hit, the
+    largest peak memory, and how often each cache was hit."""
+    per: dict[str, list[dict]] = defaultdict(list)
+    for t in results["trials"]:
+        if t.get("duplicate_of") is None and t.get("times_s"):
+            per[model_of(t, results)].append(t)
+    rows = []
+    for model, trials in per.items():
+        walls = [t["times_s"]["wall"] for t in trials if t["times_s"].get("wall") is not None]
+
+        def mean_scoring(hit: bool) -> str:
+            v = [t["times_s"]["scoring"] for t in trials if t["times_s"].get("scoring") is not None
+                 and ((t.get("reuse") or {}).get("scores") == "hit") == hit]
+            return _fmt(statistics.mean(v), 1) if v else "—"
+
+        peaks = [t["peak_rss_mib"] for t in trials if t.get("peak_rss_mib")]
+        hits = {c: sum((t.get("reuse") or {}).get(c) == "hit" for t in trials) for c in ("scores", "dense")}
+        rows.append([model, str(len(trials)), _fmt(sum(walls) / 60, 1), _fmt(statistics.mean(walls), 1) if walls
+                     else "—", mean_scoring(False), mean_scoring(True), _fmt(max(peaks), 0) if peaks else "—",
+                     f"{hits['scores']}/{len(trials)}", f"{hits['dense']}/{len(trials)}"])
+    return ("Costs per model (budget a sweep from these)",
+            ["model", "trials", "total wall min", "mean wall s", "scoring s (computed)", "scoring s (cache hit)",
+             "max peak MiB", "score-cache hits", "dense-cache hits"], rows)
 
 
 def failures_table(results: dict) -> Table | None:
@@ -214,7 +241,8 @@ def all_tables(results: dict) -> list[Table]:
         t = seq_len_table(results, metric)
         if t:
             out.append(t)
-    for t in (correlation_table(results), costs_table(results), failures_table(results)):
+    for t in (correlation_table(results), cost_summary_table(results), costs_table(results),
+              failures_table(results)):
         if t:
             out.append(t)
     return out
