@@ -22,6 +22,7 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
+from prunelight.saved import check_saved_inputs
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
 
 log = logging.getLogger("prunelight")
@@ -49,7 +50,8 @@ class PrunelightCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         evaluator = RunEvaluator(self._get(self.config_init, "evaluation"))
         self.job_callbacks = [
-            PruningCallback(self._get(self.config_init, "prune"), evaluator),
+            PruningCallback(self._get(self.config_init, "prune"), evaluator,
+                            out_dir=self._get(self.config_init, "export").out_dir),
             ExportCallback(self._get(self.config_init, "export"), evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -73,6 +75,7 @@ class PrunelightCLI(LightningCLI):
         self.datamodule.check_sources()
         self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
         self.model.check_settings(self._get(self.config_init, "prune"), config)
+        check_saved_inputs(self._get(self.config_init, "prune"), config)  # prune.plan / prune.scores fit the model
 
     def after_fit(self) -> None:
         handoff = getattr(self.model, "handoff", None)

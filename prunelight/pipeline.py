@@ -7,12 +7,14 @@ applies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, allocate, precheck
+from prunelight.allocation import Budget, allocate, make_budget, precheck
+from prunelight.allocation.budget import plan_meta, plan_params_removed
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
 from prunelight.console import progress
@@ -22,6 +24,7 @@ from prunelight.families import unwrap
 from prunelight.importance import UnitScores, build_criterion
 from prunelight.layer_importance import layer_importances, subblock_removal
 from prunelight.plan import PrunePlan
+from prunelight.saved import SavedScores, check_plan_fits, check_scores_cover, load_plan, model_facts
 from prunelight.settings import PruneSettings
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
@@ -34,13 +37,16 @@ def make_plan(
     reduce_sum: ReduceSum | None = None,
     sharded: bool = False,
     budget: Budget | None = None,
+    saved: SavedScores | None = None,
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
     `reduce_sum` sums statistics over ranks (DDP, DeepSpeed). `sharded` is for ZeRO-3 partitioned
     weights: weight-only criteria read one gathered layer at a time, the budget is counted on a
     weightless twin, and options that run extra forwards on masked weights are refused. A `budget`
-    already made by `allocation.precheck` for this model and settings is reused.
+    already made by `allocation.precheck` for this model and settings is reused. `saved` scores
+    (`prune.scores`, already checked against the model) replace the scoring pass and the layer
+    importance measures: nothing is run on `batches`.
     """
     from prunelight import zero3
 
@@ -49,6 +55,65 @@ def make_plan(
     if budget is None:
         budget = precheck(zero3.shape_twin(model) if sharded else model, settings)
     batches = list(batches)  # read more than once: calibration, layer importance, split search
+    if saved is not None:
+        check_scores_cover(saved, settings)
+        scores, measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
+        block_scores = saved.block_importance if (settings.allocation == "blockwise"
+                                                  and settings.block_importance == "removal") else None
+        imp_batches: list[torch.Tensor] = []
+    else:
+        scores, measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum, sharded)
+    layer_scores = measured.get(settings.layer_importance) if settings.allocation in ("layerwise", "depth") else None
+
+    search = None
+    share = settings.attn_share
+    if settings.attn_mlp_split == "auto":
+        share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share)
+    plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
+                     applies_to=model_facts(model))
+    if saved is not None:
+        plan.meta["scores_source"] = saved.source
+    if measured:
+        plan.meta["layer_importance"] = measured
+    if block_scores is not None:
+        plan.meta["block_importance"] = block_scores
+    if search is not None:
+        plan.meta["split_search"] = search
+    return plan, scores
+
+
+def load_plan_checked(model: nn.Module, source: str) -> PrunePlan:
+    """A saved plan (plan.json, report.json or .ckpt), refused unless it fits `model`'s architecture and shapes."""
+    plan, applies_to = load_plan(source)
+    check_plan_fits(plan, applies_to, model_facts(model), source)
+    return plan
+
+
+def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> tuple[PrunePlan, Budget]:
+    """A saved plan as this run's plan: budget figures recounted on `model`, how it was made kept (no scoring).
+
+    The plan wins over the settings' ratio, criterion and allocation; its figures say what it removes here.
+    """
+    made = plan.meta
+    budget = make_budget(model, PruneSettings())
+    removed = plan_params_removed(budget, plan)
+    budget = dataclasses.replace(budget, target=removed, ratio=removed / budget.total)
+    out = PrunePlan(layers=plan.layers, num_groups=plan.num_groups, num_channels=plan.num_channels,
+                    drop_layers=list(plan.drop_layers))
+    out.meta = {"allocation": made.get("allocation", "plan"), **plan_meta(budget, out),
+                "criterion": made.get("criterion", "plan"), "criterion_args": made.get("criterion_args", {}),
+                "samples": 0, "applies_to": model_facts(model), "plan_source": source,
+                "made_with": {k: made.get(k) for k in ("criterion", "allocation", "ratio", "target", "scores_source")
+                              if made.get(k) is not None}}
+    return out, budget
+
+
+def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSettings, reduce_sum: ReduceSum | None,
+           sharded: bool):
+    """The scoring pass: unit scores, layer importance measures, sub-block removal scores (when asked)."""
+    from prunelight import zero3
+
     crit = build_criterion(settings.criterion, **settings.criterion_args)
     if sharded and not crit.needs_data:
         scores = zero3.gathered_scores(model, crit)
@@ -64,26 +129,11 @@ def make_plan(
         wanted.insert(0, settings.layer_importance)
     measured = {name: mean_over_ranks(values, reduce_sum)
                 for name, values in (layer_importances(model, imp_batches, wanted).items() if wanted else ())}
-    layer_scores = measured.get(settings.layer_importance) if settings.allocation in ("layerwise", "depth") else None
     block_scores = None
     if settings.allocation == "blockwise" and settings.block_importance == "removal":
         sub = subblock_removal(model, imp_batches)
         block_scores = {k: mean_over_ranks(v, reduce_sum) for k, v in sub.items()}
-
-    search = None
-    share = settings.attn_share
-    if settings.attn_mlp_split == "auto":
-        share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
-    plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share)
-    plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args),
-                     samples=crit.num_samples)
-    if measured:
-        plan.meta["layer_importance"] = measured
-    if block_scores is not None:
-        plan.meta["block_importance"] = block_scores
-    if search is not None:
-        plan.meta["split_search"] = search
-    return plan, scores
+    return scores, measured, block_scores, crit.num_samples, imp_batches
 
 
 def _refuse_on_partitioned(settings: PruneSettings) -> None:

@@ -23,6 +23,9 @@ class CalibrationRecord:
     source: str | None
     seed: int | None
     prune_step: int
+    plan_source: str | None = None  # prune.plan: the saved plan applied (no scoring)
+    scores_source: str | None = None  # prune.scores: the saved scores re-allocated (no scoring pass)
+    target: dict[str, Any] | None = None  # a deployment target (prune.target_*) and what was met
 
 
 @dataclass

@@ -154,10 +154,22 @@ class PruneSettings:
     reconstruct_ridge: float = 1e-2
     """least_squares damping λ as a fraction of the mean diagonal of X_KᵀX_K (SparseGPT's percdamp convention);
     it shrinks the refit toward the cut weights, so the calibration error never rises."""
+    target_params: int | str | None = None
+    """Instead of `ratio`: parameters to keep at most, e.g. "6.5B", "350M", "1.2e9" or an integer."""
+    target_memory: str | None = None
+    """Instead of `ratio`: weight memory of all parameters at a dtype, e.g. "16GiB@bf16", "900MB@fp32"."""
+    target_kv_cache: str | None = None
+    """Instead of `ratio`: KV-cache bytes per token at a dtype, e.g. "64KiB@bf16"; only GQA groups are removed."""
+    plan: str | None = None
+    """Apply a saved plan (a plan.json, report.json or Lightning .ckpt) with no scoring; it wins over the
+    ratio, criterion and allocation (docs/methods.md, "Plans and scores that travel")."""
+    scores: str | None = None
+    """Re-allocate from a saved scores.pt (made with this criterion on this model) with no scoring pass."""
 
     def __post_init__(self) -> None:
         _number("prune.ratio", self.ratio, 0.0, 1.0, True, True)
         self.ratio = float(self.ratio)
+        self._parse_targets()
         _choice("prune.criterion", self.criterion, tuple(CRITERIA))
         try:
             build_criterion(self.criterion, **dict(self.criterion_args or {}))
@@ -198,6 +210,47 @@ class PruneSettings:
         _choice("prune.reconstruct", self.reconstruct, RECONSTRUCTIONS)
         _number("prune.reconstruct_ridge", self.reconstruct_ridge, 0.0, math.inf, True, True)
         self.reconstruct_ridge = float(self.reconstruct_ridge)
+
+    def _parse_targets(self) -> None:
+        """A deployment target replaces the ratio; at most one, and none with a saved plan."""
+        from prunelight.allocation.targets import TARGET_OPTIONS, parse_target  # here: allocation imports us
+
+        given = [name for name in TARGET_OPTIONS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise _bad(f"prune.{given[1]}", getattr(self, given[1]),
+                       f"prune.{given[0]} is set too; give one target (or none, to use prune.ratio)")
+        self._target = None
+        if given:
+            name = given[0]
+            try:
+                self._target = parse_target(name.removeprefix("target_"), getattr(self, name))
+            except ValueError as err:
+                raise _bad(f"prune.{name}", getattr(self, name), str(err)) from None
+            if name == "target_kv_cache" and self.allocation not in ("global", "uniform"):
+                raise _bad(f"prune.{name}", getattr(self, name),
+                           f"a KV-cache target removes GQA groups only, with allocation global or uniform, "
+                           f"not {self.allocation!r}")
+            if name == "target_kv_cache" and self.attn_mlp_split is not None:
+                raise _bad(f"prune.{name}", getattr(self, name),
+                           "a KV-cache target takes everything from attention; leave prune.attn_mlp_split null")
+        for name in ("plan", "scores"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise _bad(f"prune.{name}", value, "must be a file path or null")
+        if self.plan is not None:
+            if self.scores is not None:
+                raise _bad("prune.scores", self.scores, "prune.plan is set too: a saved plan needs no scores")
+            if given:
+                raise _bad(f"prune.{given[0]}", getattr(self, given[0]),
+                           "prune.plan is set: a saved plan fixes the cut (no budget applies)")
+        if self.scores is not None and self.attn_mlp_split == "auto":
+            raise _bad("prune.attn_mlp_split", "auto", "with prune.scores there is no calibration pass to search the "
+                       "split on; use a fixed split such as '1:3' (the scores' run records the share it found)")
+
+    @property
+    def target(self):
+        """The parsed deployment target (`allocation.targets.Target`), or None when `ratio` is the budget."""
+        return self._target
 
     @property
     def attn_share(self) -> float | None:

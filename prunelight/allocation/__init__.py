@@ -27,6 +27,9 @@ from prunelight.allocation.budget import (
     build_plan,
     check_scores,
     count_params,
+    empty_removed,
+    lowest,
+    units,
     decoder_params,
     make_budget,
     plan_meta,
@@ -47,7 +50,9 @@ __all__ = ["ALLOCATIONS", "Budget", "allocate", "count_params", "decoder_params"
 def precheck(model: nn.Module, settings: PruneSettings) -> Budget:
     """Measure the model once and refuse settings its sizes cannot meet (run before calibration)."""
     budget = make_budget(model, settings)
-    ratio, rates = settings.ratio, settings.layerwise
+    rates = settings.layerwise
+    goal = settings.target
+    asked = f"prune.ratio={settings.ratio}" if goal is None else f"{goal.option}={goal.text!r}"
     if settings.allocation == "layerwise":
         if rates.freeze_top_n >= budget.num_layers:
             raise ValueError(
@@ -59,14 +64,14 @@ def precheck(model: nn.Module, settings: PruneSettings) -> Budget:
         most = sum(min(rates.rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
         if budget.target > most:
             raise ValueError(
-                f"prune.ratio={ratio} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
+                f"{asked} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
                 f"{rates.rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
             )
     if settings.allocation in ("global", "layerwise"):
         removable = budget.removable("attn") + budget.removable("mlp")
         if budget.target > removable:
             raise ValueError(
-                f"prune.ratio={ratio} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
+                f"{asked} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
                 f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
                 f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
             )
@@ -90,6 +95,8 @@ def allocate(
     depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
     """
     method = settings.allocation
+    if budget.kv_groups:
+        return _kv_plan(budget, scores, method)
     share = settings.attn_share if attn_share is None else attn_share
     if share is not None and method not in SPLIT_ALLOCATIONS:
         raise ValueError(f"an attention:MLP split applies to {', '.join(SPLIT_ALLOCATIONS)}, not {method!r}")
@@ -123,4 +130,26 @@ def allocate(
         removed = true_up(scores, budget, removed, drop)
     plan = build_plan(budget, removed, drop)
     plan.meta = {**extra, **plan_meta(budget, plan)}
+    return plan
+
+
+def _kv_plan(budget: Budget, scores: UnitScores, method: str) -> PrunePlan:
+    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer), no channel."""
+    check_scores(scores, budget)
+    removed = empty_removed(budget)
+    if method == "uniform":
+        k = budget.kv_groups // budget.num_layers
+        for i, t in enumerate(scores["attn"]):
+            removed["attn"][i] = lowest(t, k)
+    else:
+        limits = budget.limits("attn")
+        left = budget.kv_groups
+        for _, _, i, j, _ in units(scores, budget, kinds=("attn",)):
+            if left == 0:
+                break
+            if len(removed["attn"][i]) < limits[i]:
+                removed["attn"][i].add(j)
+                left -= 1
+    plan = build_plan(budget, removed)
+    plan.meta = {"allocation": method, **plan_meta(budget, plan)}
     return plan

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 from torch import nn
 
+from prunelight.allocation.targets import Target, human_bytes, kv_bytes_per_token, target_figures
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.plan import LayerPlan, PrunePlan
@@ -47,6 +50,9 @@ class Budget:
     ratio: float
     min_groups: int
     min_channels: int
+    goal: Target | None = None  # a deployment target (prune.target_*) that set `target`
+    kv_groups: int = 0  # a KV-cache target: exactly this many GQA groups go, and no MLP channel
+    head_dim: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -95,8 +101,52 @@ def make_budget(model: nn.Module, settings: PruneSettings) -> Budget:
         mlp_extra.append(m - c * c_cost)
         layer_extra.append(_numel(layer) - a - m)
     total = count_params(model)
+    hd = family.head_dim(config)
+    goal, kv_groups = settings.target, 0
+    if goal is None:
+        target = int(round(ratio * total))
+    elif goal.kind == "kv_cache":
+        kv_groups = kv_groups_to_remove(goal, n_groups, hd, min_groups, settings.allocation)
+        target = kv_groups * g_cost
+    else:
+        target = params_to_remove(goal, total)
+    if goal is not None:
+        ratio = target / total
     return Budget(n_groups, n_chans, g_cost, c_cost, attn_extra, mlp_extra, layer_extra, total,
-                  decoder_params(model), int(round(ratio * total)), float(ratio), min_groups, min_channels)
+                  decoder_params(model), target, float(ratio), min_groups, min_channels, goal, kv_groups, hd)
+
+
+def params_to_remove(goal: Target, total: int) -> int:
+    """Parameters to remove so the model has at most `goal` parameters (or weight bytes at its dtype)."""
+    keep = int(goal.value) if goal.kind == "params" else int(math.floor(goal.value / goal.bytes_per_param))
+    if keep >= total:
+        have = (f"{total:,} parameters" if goal.kind == "params"
+                else f"{human_bytes(total * goal.bytes_per_param)} of weights at {goal.dtype} ({total:,} parameters)")
+        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: the model has {have} already; "
+                         "use a target below that")
+    return total - keep
+
+
+def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_groups: int, allocation: str) -> int:
+    """GQA groups to remove so the KV cache per token is at or below `goal` (whole groups: at or below, not equal)."""
+    per_group = 2 * head_dim * goal.bytes_per_param  # one K and one V vector per token
+    now = kv_bytes_per_token(n_groups, head_dim, goal.bytes_per_param)
+    if goal.value >= now:
+        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: the model's KV cache takes {human_bytes(now)} per "
+                         f"token at {goal.dtype} already (2 x {sum(n_groups)} KV heads x head_dim {head_dim} x "
+                         f"{goal.bytes_per_param:g} bytes); use a target below that")
+    need = math.ceil((now - goal.value) / per_group - 1e-9)
+    if allocation == "uniform":  # the same number from every layer
+        need = math.ceil(need / len(n_groups)) * len(n_groups)
+        most = min(max(n - min_groups, 0) for n in n_groups) * len(n_groups)
+    else:
+        most = sum(max(n - min_groups, 0) for n in n_groups)
+    if need > most:
+        floor = now - most * per_group
+        raise ValueError(f"{goal.option}={goal.text!r} is not allowed: keeping prune.min_groups={min_groups} KV group(s) "
+                         f"per layer{' (the same in every layer)' if allocation == 'uniform' else ''} leaves at least "
+                         f"{human_bytes(floor)} per token at {goal.dtype}; use a target at or above that")
+    return need
 
 
 def check_scores(scores: UnitScores, budget: Budget) -> None:
@@ -247,7 +297,11 @@ def plan_meta(budget: Budget, plan: PrunePlan) -> dict:
     g, c = plan.removed_counts()
     removed = plan_params_removed(budget, plan)
     attn = sum((n - len(lp.keep_groups)) * budget.g_cost for n, lp in zip(budget.n_groups, plan.layers))
-    return {
+    extra = {}
+    if budget.goal is not None:
+        kv_after = [0 if i in plan.drop_layers else len(lp.keep_groups) for i, lp in enumerate(plan.layers)]
+        extra["target"] = target_figures(budget.goal, budget.total - removed, kv_after, budget.head_dim)
+    return {**extra,
         "ratio": budget.ratio,
         "params_total": budget.total,
         "params_decoder": budget.decoder,

@@ -119,7 +119,8 @@ def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=N
     from prunelight.callbacks.pruning import PruningCallback
 
     evaluator = RunEvaluator(evaluation)
-    return [PruningCallback(prune, evaluator), ExportCallback(export, evaluator)]
+    export = export or ExportSettings()
+    return [PruningCallback(prune, evaluator, out_dir=export.out_dir), ExportCallback(export, evaluator)]
 
 
 __all__ = ["ExportCallback", "job_callbacks"]

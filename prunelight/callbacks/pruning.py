@@ -16,8 +16,20 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
-from prunelight.pipeline import make_plan
+from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
 from prunelight.record import CalibrationRecord
+from prunelight.saved import (
+    PLAN_FILE,
+    RUN_KEY_PARTS,
+    SCORES_FILE,
+    calibration_identity,
+    check_key,
+    load_scores,
+    plan_document,
+    save_scores,
+    scores_key,
+    write_plan,
+)
 from prunelight.settings import PruneSettings
 from prunelight.zero3 import gathered_pruned_copy, shape_twin
 
@@ -34,10 +46,12 @@ class PruningCallback(L.Callback):
     from it in a fresh engine.
     """
 
-    def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None) -> None:
+    def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None,
+                 out_dir: str | None = None) -> None:
         super().__init__()
         self.settings = settings or PruneSettings()
         self.evaluator = evaluator
+        self.out_dir = out_dir  # plan.json and scores.pt go here (default: the trainer's default_root_dir)
         self.pruned = False
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -96,28 +110,49 @@ class PruningCallback(L.Callback):
         base = pl_module.base_model
         fresh = needs_fresh_engine(trainer.strategy)
         sharded = zero_stage(trainer.strategy) == 3
-        if fresh:
+        if fresh and not (s.plan or s.scores):  # with a saved plan or scores nothing is scored here
             self._check_deepspeed(trainer, base)
-        # Size checks (frozen layers, split feasibility, units available) before evaluation and calibration.
-        budget = precheck(shape_twin(base) if sharded else base, s)
+        twin = shape_twin(base) if sharded else base
+        saved = None
+        if s.plan:  # the saved plan must fit before any work; no budget, no scoring
+            saved_plan = load_plan_checked(twin, s.plan)
+        else:
+            # Size checks (frozen layers, split feasibility, units available) before evaluation and calibration.
+            budget = precheck(twin, s)
+            if s.scores:
+                saved = load_scores(s.scores)
+                check_key(saved.key, scores_key(base, s, calibration_identity(dm, s)), s.scores,
+                          parts=RUN_KEY_PARTS)
         self._measure("dense", trainer, pl_module, folder=pl_module.pretrained if pl_module.model_config is None
                       else None)
 
         t0 = time.perf_counter()
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
-        plan, scores = make_plan(base, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device),
-                                 sharded=sharded, budget=budget)
+        scores = None
+        if s.plan:
+            plan, budget = adopt_plan(twin, saved_plan, s.plan)
+            log.info("no scoring pass: plan from %s; %s", s.plan, _repair_reads(s, batches))
+        else:
+            if saved is not None:
+                log.info("no scoring pass: unit scores from %s (%s, %d samples); %s", s.scores, saved.key["criterion"],
+                         saved.samples, _repair_reads(s, batches))
+            plan, scores = make_plan(base, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device),
+                                     sharded=sharded, budget=budget, saved=saved)
         times["calibration_and_allocation"] = time.perf_counter() - t0
+        made = plan.meta
         record.calibration = CalibrationRecord(
-            criterion=s.criterion, allocation=s.allocation, ratio=s.ratio, settings=s.as_dict(),
-            samples=plan.meta["samples"], seq_len=dm.seq_len, source=dm.calibration.describe(), seed=dm.seed,
-            prune_step=trainer.global_step)
+            criterion=made.get("criterion", s.criterion), allocation=made.get("allocation", s.allocation),
+            ratio=made.get("ratio", s.ratio), settings=s.as_dict(), samples=made.get("samples", 0),
+            seq_len=dm.seq_len, source=dm.calibration.describe(), seed=dm.seed, prune_step=trainer.global_step,
+            plan_source=s.plan, scores_source=s.scores, target=made.get("target"))
         record.plan = plan.meta
-        record.unit_scores = {k: [t.tolist() for t in v] for k, v in scores.items()}
+        if scores is not None:
+            record.unit_scores = {k: [t.tolist() for t in v] for k, v in scores.items()}
         record.layer_importance = plan.meta.get("layer_importance")
         record.params_before = budget.total
         record.params_after = budget.total - plan.meta["params_removed"]
         record.prune_plan = {k: v for k, v in plan.to_dict().items() if k != "meta"}
+        self._write_saved(trainer, base, plan, scores, saved, record)
 
         t0 = time.perf_counter()
         if fresh:
@@ -151,6 +186,33 @@ class PruningCallback(L.Callback):
             log.info("pruned model written to %s; recovery continues in a fresh %s", out,
                      type(trainer.strategy).__name__)
 
+    def _out_dir(self, trainer: L.Trainer) -> Path:
+        from prunelight.callbacks.export import FAST_DEV_RUN_DIR
+
+        out = Path(self.out_dir or trainer.default_root_dir)
+        return out / FAST_DEV_RUN_DIR if trainer.fast_dev_run else out  # a smoke test never overwrites a real run
+
+    def _write_saved(self, trainer: L.Trainer, base, plan, scores, saved, record) -> None:
+        """plan.json and scores.pt into the output folder (rank 0; the fingerprint is taken on every rank)."""
+        s, dm = self.settings, trainer.datamodule
+        key = None
+        if scores is not None:
+            key = saved.key if saved is not None else scores_key(base, s, calibration_identity(dm, s))
+        if not trainer.is_global_zero:
+            return
+        out = self._out_dir(trainer)
+        write_plan(out / PLAN_FILE, plan_document(plan, base, record.params_before, record.params_after, s,
+                                                  source=s.plan))
+        if scores is not None:
+            save_scores(out / SCORES_FILE, scores, key, layer_importance=plan.meta.get("layer_importance"),
+                        block_importance=plan.meta.get("block_importance"),
+                        samples=plan.meta.get("samples"), split_search=plan.meta.get("split_search"),
+                        pretrained=getattr(trainer.lightning_module, "pretrained", None),
+                        copied_from=saved.source if saved is not None else None,
+                        **({} if saved is None else {"made": saved.provenance}))
+        log.info("plan written to %s%s", out / PLAN_FILE, f", scores to {out / SCORES_FILE}" if scores is not None
+                 else "")
+
     def _measure(self, state: str, trainer: L.Trainer, pl_module, folder: str | None = None) -> None:
         if self.evaluator is not None:
             self.evaluator.measure(state, trainer, pl_module, folder=folder)
@@ -174,7 +236,7 @@ class PruningCallback(L.Callback):
         meta = record.plan
         if trainer.is_global_zero and record.layers is not None:
             log.info("%s", cut_summary(meta, record.layers, record.params_before, record.params_after, record.ppl,
-                                       self.settings.criterion, self.settings.allocation))
+                                       record.calibration.criterion, record.calibration.allocation))
         log_metrics(trainer, {
             "prune/params_before": record.params_before,
             "prune/params_after": record.params_after,
@@ -183,6 +245,14 @@ class PruningCallback(L.Callback):
             "prune/groups_removed": meta["groups_removed"],
             "prune/channels_removed": meta["channels_removed"],
         })
+
+
+def _repair_reads(settings: PruneSettings, batches) -> str:
+    """What the cut still reads from the calibration batches (the repair only, forward)."""
+    if settings.reconstruct == "none":
+        return "no calibration batches are read"
+    n = len(list(batches)[: settings.max_calibration_batches])
+    return f"reconstruction ({settings.reconstruct}) reads {n} calibration batches, forward only"
 
 
 def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:

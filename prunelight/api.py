@@ -1,0 +1,92 @@
+"""The Python API for notebooks: `prune(model, settings, calibration)` and `apply_plan(model, plan_or_path)`.
+
+Both go through the run's own path: `pipeline.make_plan` (score and allocate), `reconstruct.cut_and_reconstruct`
+(the cut, with the repair when `settings.reconstruct` asks for one) and `surgery.apply_plan`; nothing is cut
+any other way. `import prunelight` stays cheap: the package reaches this module on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from prunelight.plan import PrunePlan
+from prunelight.settings import PruneSettings
+
+CALIBRATION_BATCH = 8  # rows per batch when the calibration is one [samples, seq_len] tensor
+
+
+def as_settings(settings: PruneSettings | dict[str, Any] | None) -> PruneSettings:
+    """PruneSettings from itself, a dict like the YAML `prune:` section, or None (the defaults)."""
+    if settings is None:
+        return PruneSettings()
+    if isinstance(settings, PruneSettings):
+        return settings
+    if isinstance(settings, dict):
+        return PruneSettings(**settings)
+    raise TypeError(f"settings must be a PruneSettings or a dict of prune options, not {type(settings).__name__}")
+
+
+def as_batches(calibration: torch.Tensor | Sequence | None) -> list[torch.Tensor]:
+    """Token-id batches [batch, seq_len] from a 2-D tensor (split in batches of 8 rows), a 1-D one, or a list of either."""
+    if calibration is None:
+        return []
+    if isinstance(calibration, torch.Tensor):
+        if calibration.dim() == 1:
+            return [calibration[None].long()]
+        if calibration.dim() == 2:
+            return [b.long() for b in torch.split(calibration, CALIBRATION_BATCH)]
+        raise ValueError(f"calibration must be token ids of shape [samples, seq_len], got {tuple(calibration.shape)}")
+    out = []
+    for b in calibration:
+        out.extend(as_batches(torch.as_tensor(b)) if not isinstance(b, torch.Tensor) or b.dim() != 2 else [b.long()])
+    return out
+
+
+def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = None,
+          calibration: torch.Tensor | Sequence | None = None) -> tuple[nn.Module, PrunePlan]:
+    """Score, allocate and cut a Hugging Face causal LM in place (as `prunelight fit` does); returns (model, plan).
+
+    `calibration`: token ids, a [samples, seq_len] tensor or a list of [batch, seq_len] batches (needed by
+    data-driven criteria and by `reconstruct` other than none). `settings.plan` applies a saved plan and
+    `settings.scores` re-allocates from saved scores, as on the command line.
+    """
+    from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
+    from prunelight.reconstruct import cut_and_reconstruct
+    from prunelight.saved import load_scores
+
+    s = as_settings(settings)
+    batches = as_batches(calibration)
+    if s.reconstruct != "none" and not batches:
+        raise ValueError(f"prune.reconstruct={s.reconstruct!r} needs calibration batches; pass calibration= "
+                         "or set reconstruct='none'")
+    if s.plan:
+        plan, _ = adopt_plan(model, load_plan_checked(model, s.plan), s.plan)
+    else:
+        from prunelight.importance import build_criterion
+
+        if not s.scores and build_criterion(s.criterion, **s.criterion_args).needs_data and not batches:
+            raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
+                             "(token ids) or use a weight-only criterion such as magnitude")
+        plan, _ = make_plan(model, batches, s, saved=load_scores(s.scores) if s.scores else None)
+    cut_and_reconstruct(model, plan, batches, s)
+    return model, plan
+
+
+def apply_plan(model: nn.Module, plan_or_path: PrunePlan | dict | str | os.PathLike) -> nn.Module:
+    """Cut `model` in place to a plan: a PrunePlan, its dict, or a saved plan.json / report.json / .ckpt."""
+    from prunelight.pipeline import load_plan_checked
+    from prunelight.saved import check_plan_fits, model_facts
+    from prunelight.surgery import apply_plan as cut
+
+    if isinstance(plan_or_path, (str, os.PathLike)):
+        plan = load_plan_checked(model, str(plan_or_path))
+    else:
+        plan = plan_or_path if isinstance(plan_or_path, PrunePlan) else PrunePlan.from_dict(plan_or_path)
+        check_plan_fits(plan, plan.meta.get("applies_to"), model_facts(model), "<in-memory plan>", option="plan")
+    cut(model, plan)
+    return model

@@ -1,0 +1,77 @@
+"""The notebook API: `prunelight.prune` and `prunelight.apply_plan` (the README's "Python API" snippet)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import prunelight
+from prunelight.surgery import mask_units
+from prunelight.testing import tiny_model
+
+
+def _calibration(samples: int = 16, seq_len: int = 16) -> torch.Tensor:
+    return torch.randint(3, 128, (samples, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def test_readme_snippet_prunes_and_applies_the_plan_to_a_sibling(tmp_path):
+    # The README's snippet, with tiny models standing in for the hub ones.
+    model, sibling = tiny_model(seed=0), tiny_model(seed=1)
+    calibration = _calibration()  # [samples, seq_len] token ids
+    model, plan = prunelight.prune(model, {"ratio": 0.3, "criterion": "flap"}, calibration)
+    sibling = prunelight.apply_plan(sibling, plan)
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
+    again = prunelight.apply_plan(tiny_model(seed=1), tmp_path / "plan.json")
+
+    before = sum(p.numel() for p in tiny_model().parameters())
+    after = sum(p.numel() for p in model.parameters())
+    assert after == before - plan.meta["params_removed"] and plan.meta["removed_fraction_total"] >= 0.3
+    shapes = [(m.self_attn.k_proj.out_features, m.mlp.up_proj.out_features) for m in model.model.layers]
+    assert shapes == [(m.self_attn.k_proj.out_features, m.mlp.up_proj.out_features) for m in sibling.model.layers]
+    x = calibration[:2]
+    with torch.no_grad():
+        assert torch.equal(sibling(x).logits, again(x).logits)
+
+
+def test_prune_without_repair_equals_masking(tmp_path):
+    model, ref = tiny_model(), tiny_model()
+    model, plan = prunelight.prune(model, prunelight.PruneSettings(ratio=0.25, criterion="magnitude",
+                                                                   reconstruct="none"), None)
+    mask_units(ref, plan)
+    x = _calibration(2)
+    with torch.no_grad():
+        assert torch.allclose(model(x).logits, ref(x).logits, atol=1e-5)
+
+
+def test_prune_from_saved_scores_and_plan_settings(tmp_path):
+    from prunelight.saved import calibration_identity, save_scores, scores_key
+    from prunelight.pipeline import make_plan
+
+    model = tiny_model()
+    s = prunelight.PruneSettings(ratio=0.2, reconstruct="none")
+    plan0, scores = make_plan(model, prunelight.api.as_batches(_calibration()), s)
+    save_scores(tmp_path / "scores.pt", scores, scores_key(model, s, calibration_identity(settings=s)))
+    _, plan = prunelight.prune(tiny_model(), {"ratio": 0.2, "reconstruct": "none", "scores": str(tmp_path / "scores.pt")})
+    assert plan.to_dict()["layers"] == plan0.to_dict()["layers"]
+
+
+def test_bad_calls_say_what_is_missing():
+    with pytest.raises(ValueError, match="prune.reconstruct='least_squares' needs calibration batches"):
+        prunelight.prune(tiny_model(), {"ratio": 0.2})
+    with pytest.raises(ValueError, match="prune.criterion='flap' scores units on calibration text"):
+        prunelight.prune(tiny_model(), {"ratio": 0.2, "reconstruct": "none"})
+    with pytest.raises(ValueError, match="prune.ratio=2 is not allowed"):
+        prunelight.prune(tiny_model(), {"ratio": 2})
+    with pytest.raises(TypeError, match="settings must be a PruneSettings or a dict"):
+        prunelight.prune(tiny_model(), 0.2)
+
+
+def test_import_stays_cheap():
+    code = ("import sys, prunelight; mods = [m for m in sys.modules if m.startswith('prunelight.')]; "
+            "print(','.join(sorted(mods)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "prunelight.modeling", out  # the API and the pipeline load on first use only
