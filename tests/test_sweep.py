@@ -149,18 +149,19 @@ def test_the_score_cache_key_ignores_ratio_and_allocation_but_not_data_or_seq_le
     assert score_key(apply_point(config, {"data.num_samples": 16})) != key
     assert score_key(apply_point(config, {"prune.criterion": "wanda_sp"})) != key
 
-    import torch
+    from prunelight.saved import save_scores
 
     cache = ScoreCache(tmp_path / "cache")
     run_file = tmp_path / "scores.pt"
-    inner = {"criterion": "flap", "criterion_args": {}, "calibration": {"seq_len": 64, "num_samples": 8, "seed": 0}}
-    torch.save({"format": "prunelight.scores/1", "key": inner, "unit_scores": {}}, run_file)
+    inner = {"model": {"fingerprint": "abc"}, "criterion": "flap", "criterion_args": {},
+             "calibration": key["calibration"]}  # what the run writes: scores_key with the same calibration part
+    save_scores(run_file, {}, inner)
     stored = cache.store(key, run_file)
     assert cache.lookup(score_key(apply_point(config, {"prune.ratio": 0.3}))) == stored
+    assert cache.lookup(score_key(apply_point(config, {"prune.allocation": "layerwise"}))) == stored
     assert cache.lookup(score_key(apply_point(config, {"data.seq_len": 128}))) is None
-    # a file whose own key disagrees (another seq_len inside) is never used
-    torch.save({"format": "prunelight.scores/1", "key": {**inner, "calibration": {"seq_len": 32}},
-                "unit_scores": {}}, stored)
+    # a file whose own key disagrees (another seq_len inside) is never used, whatever its name says
+    save_scores(stored, {}, {**inner, "calibration": {**inner["calibration"], "seq_len": 32}})
     assert cache.lookup(key) is None
 
 
@@ -231,24 +232,26 @@ def tiny_sweep_files(tmp_path_factory):
 
 
 def test_a_real_sweep_of_tiny_runs_reuses_dense_evaluation_and_scores(tiny_sweep_files, tmp_path):
-    """Two `prunelight fit` subprocesses (ratio 0.2, 0.3): the second reuses the first's dense evaluation and,
-    where runs accept prune.scores, its calibration scores."""
+    """Two `prunelight fit` subprocesses (global, layerwise allocation): the second reuses the first's dense
+    evaluation and its calibration scores (and layer importance)."""
     from prunelight.sweep.cache import runs_take_scores
 
     _, base = tiny_sweep_files
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"base": [str(ROOT / "configs" / "reference.yaml"), str(base)],
-                                     "space": {"prune.ratio": [0.2, 0.3]}, "out_dir": str(tmp_path / "out")}))
+                                     "space": {"prune.allocation": ["global", "layerwise"]},
+                                     "out_dir": str(tmp_path / "out")}))
     assert sweep_main(["--config", str(sweep)]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     trials = sorted(results["trials"], key=lambda t: t["number"])
     assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE"], [t.get("error") for t in trials]
-    assert trials[0]["metrics"]["ppl"] > 0 and trials[0]["metrics"]["removed_fraction"] < \
-        trials[1]["metrics"]["removed_fraction"]
+    assert {t["params"]["prune.allocation"] for t in trials} == {"global", "layerwise"}
+    assert all(t["metrics"]["ppl"] > 0 and t["metrics"]["removed_fraction"] >= 0.19 for t in trials)
     assert [t["reuse"]["dense"] for t in trials] == ["miss", "hit"]
     assert trials[0]["metrics"]["ppl_dense"] == trials[1]["metrics"]["ppl_dense"]
-    if runs_take_scores():
-        assert [t["reuse"]["scores"] for t in trials] == ["miss", "hit"]
+    assert runs_take_scores()
+    assert [t["reuse"]["scores"] for t in trials] == ["miss", "hit"]
+    assert "no scoring pass: unit scores from" in Path(trials[1]["log"]).read_text()
     assert trials[1]["peak_rss_mib"] > 50 and trials[1]["times_s"]["wall"] > 0
     trial_dir = Path(trials[0]["out_dir"])
     assert (trial_dir / "trial.yaml").exists() and (trial_dir / "trial.json").exists()

@@ -2,17 +2,19 @@
 
 A trial that changes only what is done with the scores (ratio, allocation, reconstruction, recovery) reuses
 the scores of an earlier trial: the run gets `--prune.scores <cache>/<digest>.pt` and skips its calibration
-pass. The cache is indexed by a key computed from the trial's resolved config before the run (model folder
-and the fingerprint of its weight files, criterion and its arguments, calibration source, seq_len,
-num_samples, seed, batch size and batch limits); on a hit, the key stored inside the file is compared with
-the expected one too, so a stale or foreign file is never used. A miss runs normally and then stores the
+pass. The cache is indexed by a key computed from the trial's resolved config before the run, since the
+sweep loads no model: the model folder's weight files (name, size, mtime), criterion and its arguments, and
+the calibration part of `prunelight.saved.scores_key` (`calibration_identity`: source, seq_len, num_samples,
+seed, batch size, batch limits). On a hit, the key stored inside the file is compared with it by
+`prunelight.saved.check_key` (criterion, arguments, calibration), and the run itself checks the model part
+(weights fingerprint), so a stale or foreign file is never used. A miss runs normally and then stores the
 run's own `scores.pt` under the key (write-then-rename: two workers storing the same key leave one whole file).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +23,8 @@ from typing import Any
 
 SCORES_FILE = "scores.pt"  # what a run writes into its output folder (prunelight.saved)
 INDEX_SUFFIX = ".key.json"
+
+log = logging.getLogger("prunelight")
 
 
 def _get(config: dict, dotted: str, default: Any = None) -> Any:
@@ -44,32 +48,39 @@ def model_fingerprint(pretrained: str) -> dict[str, Any]:
             "files": [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files]}
 
 
+def calibration_part(config: dict[str, Any]) -> dict[str, Any]:
+    """`prunelight.saved.calibration_identity` as the run will compute it, from the resolved config alone."""
+    from types import SimpleNamespace
+
+    from prunelight.saved import calibration_identity
+
+    limits = SimpleNamespace(max_calibration_batches=_get(config, "prune.max_calibration_batches"),
+                             importance_batches=_get(config, "prune.importance_batches"))
+    return calibration_identity(None, limits, source=_get(config, "data.calibration"),
+                                seq_len=_get(config, "data.seq_len"), num_samples=_get(config, "data.num_samples"),
+                                seed=_get(config, "data.seed"), batch_size=_get(config, "data.calibration_batch_size"))
+
+
 def score_key(config: dict[str, Any]) -> dict[str, Any]:
     """What a trial's scores depend on, read from its resolved run config (nothing that only uses the scores)."""
-    calibration = _get(config, "data.calibration")
     return {
         "model": {**model_fingerprint(_get(config, "model.pretrained")), "dtype": _get(config, "model.dtype"),
                   "attn_implementation": _get(config, "model.attn_implementation")},
         "criterion": _get(config, "prune.criterion"),
         "criterion_args": _get(config, "prune.criterion_args") or {},
-        "calibration": {
-            "source": calibration,
-            "seq_len": _get(config, "data.seq_len"),
-            "num_samples": _get(config, "data.num_samples"),
-            "seed": _get(config, "data.seed"),
-            "batch_size": _get(config, "data.calibration_batch_size"),
-            "max_calibration_batches": _get(config, "prune.max_calibration_batches"),
-            "importance_batches": _get(config, "prune.importance_batches"),
-            "layer_importance": sorted({_get(config, "prune.layer_importance")}
-                                       | set(_get(config, "prune.report_layer_importance") or [])),
-            "seed_everything": config.get("seed_everything"),
-        },
+        "calibration": calibration_part(config),
+        # what else the saved file must hold: the layer importance measures the run records
+        "layer_importance": sorted({_get(config, "prune.layer_importance")}
+                                   | set(_get(config, "prune.report_layer_importance") or [])),
+        "seed_everything": config.get("seed_everything"),
     }
 
 
 def digest(key: dict[str, Any]) -> str:
-    """A short stable hash of a key (the cache file's name)."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """A short stable hash of a key (the cache file's name): `prunelight.saved.key_digest`."""
+    from prunelight.saved import key_digest
+
+    return key_digest(key)
 
 
 def runs_take_scores() -> bool:
@@ -109,26 +120,15 @@ class ScoreCache:
 
     @staticmethod
     def _file_key_matches(path: Path, key: dict[str, Any]) -> bool:
-        """The key saved inside scores.pt by the run agrees with ours (criterion, arguments, calibration sampling)."""
-        try:
-            import torch
+        """The key saved inside scores.pt by the run agrees with ours (criterion, arguments, calibration)."""
+        from prunelight.saved import check_key, load_scores
 
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:
+        try:
+            saved = load_scores(path)
+            check_key(saved.key, key, str(path), parts=("criterion", "criterion_args", "calibration"))
+        except (OSError, ValueError) as err:
+            log.info("sweep: score cache file not used: %s", err)
             return False
-        inside = data.get("key") if isinstance(data, dict) else None
-        if not isinstance(inside, dict):
-            return False
-        if inside.get("criterion") != key["criterion"] or dict(inside.get("criterion_args") or {}) != key["criterion_args"]:
-            return False
-        cal, want = inside.get("calibration") or {}, key["calibration"]
-        for field_name in ("seq_len", "num_samples", "seed", "batch_size", "max_calibration_batches",
-                           "importance_batches"):
-            if field_name in cal and cal[field_name] != want.get(field_name):
-                return False
-        src, want_src = cal.get("source"), want.get("source")
-        if isinstance(src, dict) and isinstance(want_src, dict):
-            return all(src.get(k) == v for k, v in want_src.items() if k in src)
         return True
 
     def store(self, key: dict[str, Any], run_scores: str | os.PathLike) -> Path | None:
