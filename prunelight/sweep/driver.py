@@ -86,7 +86,11 @@ class Worker:
             if step == "wait":
                 time.sleep(min(5.0, self.settings.heartbeat_s))
                 continue
-            study.optimize(self.objective, n_trials=1, catch=(TrialError,), gc_after_trial=False)
+            try:
+                study.optimize(self.objective, n_trials=1, catch=(TrialError,), gc_after_trial=False)
+            except optuna.exceptions.UpdateFinishedTrialError as err:
+                # another worker took this trial for dead (no heartbeat for 3 intervals) and failed it meanwhile
+                log.warning("sweep: %s; its result is kept in its trial folder only", one_line(err))
             self._progress(study)
         write_results(study, self.settings)
 

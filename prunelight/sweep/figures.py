@@ -36,7 +36,7 @@ def heatmaps(results: dict, folder: Path) -> list[Path]:
         v = t["value"] if metric == "objective" else t["metrics"].get(metric)
         if v is None:
             continue
-        panel = ", ".join(f"{k.split('.')[-1]}={t['params'].get(k)}" for k in others) or "all"
+        panel = ", ".join(f"{k.split('.')[-1]}={t['params'].get(k)}" for k in others) or "mean per cell"
         groups[(model_of(t, results), method_of(t, results))][panel][(t["params"][ROW_KEY],
                                                                       t["params"][COL_KEY])].append(v)
     rows, cols = sorted(space[ROW_KEY]), sorted(space[COL_KEY])
@@ -60,7 +60,7 @@ def heatmaps(results: dict, folder: Path) -> list[Path]:
             ax.set_xlabel("calibration samples (data.num_samples)")
             ax.set_ylabel("calibration seq_len (data.seq_len)")
             ax.set_title(name, fontsize=10)
-            fig.colorbar(im, ax=ax, label=metric)
+            fig.colorbar(im, ax=ax, label=f"{metric} ({'lower' if lower_is_better(metric) else 'higher'} is better)")
         fig.suptitle(f"{model} — {method}: {metric} by seq_len × num_samples")
         fig.tight_layout()
         path = folder / f"heatmap_{_slug(model)}_{_slug(method)}.png"
