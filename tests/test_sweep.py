@@ -262,3 +262,19 @@ def test_a_real_sweep_of_tiny_runs_reuses_dense_evaluation_and_scores(tiny_sweep
     (tmp_path / "out" / "tables.md").unlink()
     assert sweep_main(["--config", str(sweep), "--report-only"]) == 0
     assert (tmp_path / "out" / "tables.md").read_text() == md
+
+
+@pytest.mark.parametrize("name", ["reference_grid.yaml", "optuna_example.yaml"])
+def test_shipped_sweep_configs_parse_and_name_real_keys(name, monkeypatch):
+    from prunelight.sweep.command import parse
+    from prunelight.sweep.driver import total_trials
+    from prunelight.sweep.space import check_keys, check_values, resolved_config
+
+    monkeypatch.chdir(ROOT)  # base configs and ../shared paths are relative to the repository root
+    s, report_only = parse(["--config", f"configs/sweeps/{name}"])
+    assert not report_only
+    config = resolved_config(s.base)
+    check_keys(s.space, config, s.base)
+    check_values(s.space, config)
+    assert total_trials(s) == (16 if s.grid else s.n_trials)
+    assert config["model"]["recovery"] == "none" and config["evaluation"]["suite"]["limit"] == 30
