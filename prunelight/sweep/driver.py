@@ -76,7 +76,6 @@ class Worker:
         """Run trials until none is left for this worker."""
         import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is one line of ours, not a traceback
         study = open_study(self.settings)
         while True:
             fail_stale(study, self.settings)

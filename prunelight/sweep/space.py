@@ -11,7 +11,7 @@ import sys
 import unittest.mock
 from typing import Any
 
-from prunelight.settings import _bad
+from prunelight.settings import SettingsError, _bad
 
 RANGE_KEYS = {"low", "high", "step", "log"}
 JSON_PREFIX = "json:"  # values Optuna cannot store (dicts, lists) travel as JSON strings
@@ -151,9 +151,11 @@ def check_values(space: dict[str, Any], config: dict[str, Any]) -> None:
             node = section
             *parents, leaf = key.split(".")[1:]
             for p in parents:
-                node = node.setdefault(p, {}) if isinstance(node.get(p), dict) or p not in node else node[p]
+                if not isinstance(node.get(p), dict):
+                    node[p] = {}
+                node = node[p]
             node[leaf] = value
             try:
                 PruneSettings(**section)
             except (ValueError, TypeError) as err:
-                raise _bad(f"sweep.space.{key}", value, str(err)) from None
+                raise SettingsError(f"sweep.space.{key}: {err}") from None

@@ -75,6 +75,7 @@ def open_study(settings: SweepSettings, storage=None):
     """Create or join the study named `study_name` in the storage."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is one line of ours, not a traceback
     return optuna.create_study(storage=storage or open_storage(settings), sampler=make_sampler(settings),
                                study_name=settings.study_name, direction=settings.objective.direction,
                                load_if_exists=True)

@@ -112,7 +112,8 @@ def method_table(results: dict, metric: str) -> Table:
             row.append(f"{_fmt(statistics.mean(vals))} ± {_fmt(sd)} ({_fmt(pick(vals))})")
         rows.append(row)
     keys = "/".join(results.get("group_by") or [])
-    return (f"{metric}: mean ± std (best) per method ({keys}; n = trials per cell)", ["model", *methods], rows)
+    return (f"{metric}: mean ± std (best) per method ({keys}), over all complete trials of the method",
+            ["model", *methods], rows)
 
 
 def trend(xs: list[float], ys: list[float]) -> str:
@@ -151,7 +152,8 @@ def seq_len_table(results: dict, metric: str, key: str = "data.seq_len") -> Tabl
         ys = [statistics.mean(per[x]) for x in xs]
         rows.append([model, method, *(_fmt(statistics.mean(per[x])) if x in per else "—" for x in xs_all),
                      trend(xs, ys)])
-    return (f"{metric}: mean by {key}", ["model", "method", *(f"{x:g}" for x in xs_all), "trend"], rows)
+    return (f"{metric}: mean by {key} (over the other keys)", ["model", "method", *(f"{x:g}" for x in xs_all),
+                                                                 "trend"], rows)
 
 
 def pearson(xs: list[float], ys: list[float]) -> float | None:
