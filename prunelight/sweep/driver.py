@@ -22,7 +22,7 @@ from prunelight.sweep.cache import ScoreCache, runs_take_scores
 from prunelight.sweep.runner import Runner, TrialError, TrialSpec, apply_point, subprocess_runner
 from prunelight.sweep.settings import SweepSettings
 from prunelight.sweep.space import encode, grid_points, suggest
-from prunelight.sweep.store import Heartbeat, fail_stale, open_storage, open_study, results_document
+from prunelight.sweep.store import Heartbeat, fail_stale, make_sampler, open_study, results_document
 
 log = logging.getLogger("prunelight")
 
@@ -62,8 +62,8 @@ class Worker:
     """One worker: runs trials of the study until the sweep is done."""
 
     def __init__(self, settings: SweepSettings, config: dict[str, Any], runner: Runner | None = None,
-                 cwd: str | None = None) -> None:
-        self.settings, self.config = settings, config
+                 cwd: str | None = None, index: int = 0) -> None:
+        self.settings, self.config, self.index = settings, config, index
         self.runner = runner or subprocess_runner
         self.cwd = cwd or os.getcwd()
         self.out = Path(settings.out_dir)
@@ -85,6 +85,10 @@ class Worker:
             if step == "wait":
                 time.sleep(min(5.0, self.settings.heartbeat_s))
                 continue
+            # A fresh seed per trial, from the sweep's seed, this worker's index and the trials so far: workers
+            # with one seeded sampler each would otherwise draw the same points.
+            study.sampler = make_sampler(self.settings, self.settings.seed + 7919 * self.index
+                                         + len(study.get_trials(deepcopy=False)))
             try:
                 study.optimize(self.objective, n_trials=1, catch=(TrialError,), gc_after_trial=False)
             except optuna.exceptions.UpdateFinishedTrialError as err:
@@ -112,6 +116,8 @@ class Worker:
                          config=apply_point(self.config, point), extra_args=list(self.settings.extra_args),
                          score_cache=self.score_cache, dense_cache=self.dense_cache,
                          timeout_s=self.settings.trial_timeout_s, cwd=self.cwd)
+        # where it writes, recorded first: a worker killed mid-trial leaves the trial's folder and log findable
+        trial.set_user_attr("result", {"out_dir": str(spec.trial_dir), "log": str(spec.trial_dir / "run.log")})
         log.info("sweep: trial %d starts: %s", trial.number, ", ".join(f"{k}={v}" for k, v in point.items()))
         t0 = time.perf_counter()
         with Heartbeat(trial.study, trial._trial_id, self.settings.heartbeat_s):
@@ -167,18 +173,18 @@ def write_results(study, settings: SweepSettings) -> Path:
     return atomic_write_json(Path(settings.out_dir) / RESULTS_FILE, results_document(study, settings))
 
 
-def _worker_main(settings: SweepSettings, config: dict[str, Any], runner: Runner | None, cwd: str) -> None:
+def _worker_main(settings: SweepSettings, config: dict[str, Any], runner: Runner | None, cwd: str, index: int) -> None:
     from prunelight.console import setup_logging
 
     setup_logging()
-    Worker(settings, config, runner, cwd).run()
+    Worker(settings, config, runner, cwd, index).run()
 
 
 def run_sweep(settings: SweepSettings, config: dict[str, Any], runner: Runner | None = None) -> dict[str, Any]:
     """Run the sweep with `settings.workers` processes (this one and workers-1 spawned), then return results.json."""
     cwd = os.getcwd()
     ctx = multiprocessing.get_context("spawn")
-    others = [ctx.Process(target=_worker_main, args=(settings, config, runner, cwd), name=f"sweep-worker-{i}")
+    others = [ctx.Process(target=_worker_main, args=(settings, config, runner, cwd, i), name=f"sweep-worker-{i}")
               for i in range(1, settings.workers)]
     for p in others:
         p.start()

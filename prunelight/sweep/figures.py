@@ -52,9 +52,10 @@ def heatmaps(results: dict, folder: Path) -> list[Path]:
             im = ax.imshow(grid, cmap=cmap, aspect="auto", origin="lower")
             for i, r in enumerate(rows):
                 for j, c in enumerate(cols):
-                    if grid[i][j] == grid[i][j]:
-                        ax.text(j, i, f"{grid[i][j]:.4g}", ha="center", va="center", fontsize=9, color="white",
-                                path_effects=_outline())
+                    v = grid[i][j]
+                    if v == v:  # not NaN (a cell with no complete trial stays blank)
+                        ax.text(j, i, f"{v:.1f}" if abs(v) >= 100 else f"{v:.4g}", ha="center", va="center",
+                                fontsize=9, color="white", path_effects=_outline())
             ax.set_xticks(range(len(cols)), [str(c) for c in cols])
             ax.set_yticks(range(len(rows)), [str(r) for r in rows])
             ax.set_xlabel("calibration samples (data.num_samples)")

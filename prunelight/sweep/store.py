@@ -58,17 +58,18 @@ def open_storage(settings: SweepSettings):
                       failed_trial_callback=retry_callback(settings.max_retries))
 
 
-def make_sampler(settings: SweepSettings):
-    """GridSampler over the space (grid mode), else TPE or random sampling, seeded."""
+def make_sampler(settings: SweepSettings, seed: int | None = None):
+    """GridSampler over the space (grid mode), else TPE or random sampling; seeded with `seed` (default: the sweep's)."""
     import optuna
 
     from prunelight.sweep.space import optuna_grid
 
+    seed = settings.seed if seed is None else seed
     if settings.grid:
-        return optuna.samplers.GridSampler(optuna_grid(settings.space), seed=settings.seed)
+        return optuna.samplers.GridSampler(optuna_grid(settings.space), seed=seed)
     if settings.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=settings.seed)
-    return optuna.samplers.TPESampler(seed=settings.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def open_study(settings: SweepSettings, storage=None):
