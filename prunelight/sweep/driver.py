@@ -85,10 +85,12 @@ class Worker:
             if step == "wait":
                 time.sleep(min(5.0, self.settings.heartbeat_s))
                 continue
-            # A fresh seed per trial, from the sweep's seed, this worker's index and the trials so far: workers
-            # with one seeded sampler each would otherwise draw the same points.
-            study.sampler = make_sampler(self.settings, self.settings.seed + 7919 * self.index
-                                         + len(study.get_trials(deepcopy=False)))
+            if not self.settings.grid:
+                # A fresh seed per trial, from the sweep's seed, this worker's index and the trials so far: workers
+                # with one seeded sampler each would otherwise draw the same points. (Not for the grid: its seed
+                # orders the grid, which every worker must share.)
+                study.sampler = make_sampler(self.settings, self.settings.seed + 7919 * self.index
+                                             + len(study.get_trials(deepcopy=False)))
             try:
                 study.optimize(self.objective, n_trials=1, catch=(TrialError,), gc_after_trial=False)
             except optuna.exceptions.UpdateFinishedTrialError as err:
