@@ -81,7 +81,8 @@ class SweepSettings:
     objective: Objective = field(default_factory=Objective)
     """The number a trial is scored by, and its direction."""
     out_dir: str = "runs/sweep"
-    """The sweep's folder: trials/<n>/ (each trial's config, log, run output), caches, study.journal, tables, figures."""
+    """The sweep's folder: trials/<n>/ (each trial's config, log, run output), caches, study.journal, tables,
+    figures."""
     study_name: str = "prunelight-sweep"
     """Name of the Optuna study inside the storage (several sweeps may share one database)."""
     storage: str | None = None
@@ -105,7 +106,8 @@ class SweepSettings:
     model_key: str = "model.pretrained"
     """The key whose value names a model in the tables (one optimum per model)."""
     extra_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments given to every trial's `prunelight fit` (e.g. --trainer.enable_progress_bar=false)."""
+    """Extra command-line arguments given to every trial's `prunelight fit`
+    (e.g. --trainer.enable_progress_bar=false)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.base, str):

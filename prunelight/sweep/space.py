@@ -45,8 +45,9 @@ def check_space(space: dict[str, Any], mode: str) -> None:
             if mode == "grid":
                 raise _bad(f"sweep.space.{key}", spec, "grid mode takes a list of values; ranges are for optuna mode")
             low, high = spec["low"], spec["high"]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (low, high)) \
-                    or low >= high:
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                          for v in (low, high))
+            if not numbers or low >= high:
                 raise _bad(f"sweep.space.{key}", spec, "a range needs numbers low < high")
             if spec.get("log") and low <= 0:
                 raise _bad(f"sweep.space.{key}", spec, "a log range needs low > 0")

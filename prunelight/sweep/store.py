@@ -59,7 +59,7 @@ def open_storage(settings: SweepSettings):
 
 
 def make_sampler(settings: SweepSettings, seed: int | None = None):
-    """GridSampler over the space (grid mode), else TPE or random sampling; seeded with `seed` (default: the sweep's)."""
+    """GridSampler over the space (grid mode), else TPE or random sampling, seeded (`seed`, default the sweep's)."""
     import optuna
 
     from prunelight.sweep.space import optuna_grid

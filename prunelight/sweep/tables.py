@@ -11,7 +11,6 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 Table = tuple[str, list[str], list[list[str]]]  # title, header, rows
 
