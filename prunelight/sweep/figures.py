@@ -39,13 +39,14 @@ def heatmaps(results: dict, folder: Path) -> list[Path]:
         panel = ", ".join(f"{k.split('.')[-1]}={t['params'].get(k)}" for k in others) or "mean per cell"
         groups[(model_of(t, results), method_of(t, results))][panel][(t["params"][ROW_KEY],
                                                                       t["params"][COL_KEY])].append(v)
-    rows, cols = sorted(space[ROW_KEY]), sorted(space[COL_KEY])
+    done = [t["params"] for t in _complete(results) if ROW_KEY in t["params"] and COL_KEY in t["params"]]
+    rows, cols = sorted({p[ROW_KEY] for p in done}), sorted({p[COL_KEY] for p in done})  # values met (ranges too)
     cmap = "viridis_r" if lower_is_better(metric) else "viridis"  # brighter = better either way
     written = []
     folder.mkdir(parents=True, exist_ok=True)
     for (model, method), panels in groups.items():
         names = sorted(panels)
-        fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names) + 1.2, 3.4), squeeze=False)
+        fig, axes = plt.subplots(1, len(names), figsize=(max(6.0, 3.8 * len(names) + 1.2), 3.6), squeeze=False)
         for ax, name in zip(axes[0], names):
             grid = [[statistics.mean(panels[name][(r, c)]) if panels[name].get((r, c)) else float("nan")
                      for c in cols] for r in rows]
@@ -62,7 +63,7 @@ def heatmaps(results: dict, folder: Path) -> list[Path]:
             ax.set_ylabel("calibration seq_len (data.seq_len)")
             ax.set_title(name, fontsize=10)
             fig.colorbar(im, ax=ax, label=f"{metric} ({'lower' if lower_is_better(metric) else 'higher'} is better)")
-        fig.suptitle(f"{model} — {method}: {metric} by seq_len × num_samples")
+        fig.suptitle(f"{model} — {method}: {metric} by seq_len × num_samples", fontsize=11)
         fig.tight_layout()
         path = folder / f"heatmap_{_slug(model)}_{_slug(method)}.png"
         fig.savefig(path, dpi=110)
