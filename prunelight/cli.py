@@ -100,8 +100,13 @@ class PrunelightCLI(LightningCLI):
 
 
 def cli_main(args: list[str] | None = None, run: bool = True):
-    """Entry point; `args` lets tests call it in-process. `evaluate` goes to prunelight.evaluation.command."""
+    """Entry point; `args` lets tests call it in-process. `evaluate` goes to prunelight.evaluation.command, `sweep`
+    to prunelight.sweep.command."""
     argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "sweep":
+        from prunelight.sweep.command import sweep_main
+
+        return sweep_main(argv[1:])
     if argv and argv[0] == "evaluate":
         from prunelight.evaluation.command import evaluate_main
 

@@ -276,9 +276,14 @@ class RunEvaluation:
     """Use at most this many `eval` batches (null: the whole eval text)."""
     suite: EvaluationSettings | None = None
     """The full evaluation (perplexity sets, zero-shot tasks, efficiency), or null to skip it."""
+    dense_cache: str | None = None
+    """A folder of dense-model results: the dense evaluation is read from it when the model and these settings
+    match a stored key, and stored there otherwise (`prunelight sweep` sets it; null: always measure)."""
 
     def __post_init__(self) -> None:
         _integer("evaluation.max_eval_batches", self.max_eval_batches, 1, optional=True)
+        if self.dense_cache is not None and not str(self.dense_cache).strip():
+            raise _bad("evaluation.dense_cache", self.dense_cache, "a folder path, or null")
 
 
 @dataclass

@@ -59,6 +59,15 @@ class RunEvaluator:
 
     def measure(self, state: str, trainer: Any, pl_module: Any, folder: str | None = None) -> None:
         """Measure the module's current model as `state` (dense | pruned | recovered) into its record."""
+        if state == "dense" and self.settings.dense_cache and trainer.is_global_zero and trainer.world_size == 1:
+            if self._cached_dense(trainer, pl_module):
+                return
+            self._measure(state, trainer, pl_module, folder)
+            self._store_dense(trainer, pl_module)
+            return
+        self._measure(state, trainer, pl_module, folder)
+
+    def _measure(self, state: str, trainer: Any, pl_module: Any, folder: str | None = None) -> None:
         record = pl_module.record
         dm = trainer.datamodule
         if self.settings.data_eval and dm is not None:
@@ -84,6 +93,74 @@ class RunEvaluator:
             self._similarity(state, trainer, pl_module)
         if self.settings.suite is not None and trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-evaluation")  # other ranks wait while rank 0 evaluates
+
+    # The dense cache (evaluation.dense_cache): one JSON file per key, the key stored inside and compared on read.
+    def _dense_key(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        """What the dense results depend on: the model's files and loading options, the eval data, the settings."""
+        from pathlib import Path
+
+        hp = dict(getattr(pl_module, "hparams", {}) or {})
+        path = Path(str(pl_module.pretrained)).expanduser()
+        files = sorted([p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in path.iterdir()
+                       if p.suffix in (".safetensors", ".bin", ".json")) if path.is_dir() else []
+        dm = trainer.datamodule
+        data = None if dm is None else {"source": dm.eval.describe() if dm.eval is not None else None,
+                                        "seq_len": dm.eval_seq_len, "batch_size": dm.eval_batch_size,
+                                        "max_eval_blocks": getattr(dm, "max_eval_blocks", None)}
+        suite = self.settings.suite.as_dict() if self.settings.suite is not None else None
+        return {"model": str(path.resolve()) if path.is_dir() else str(pl_module.pretrained), "files": files,
+                **{k: hp.get(k) for k in ("dtype", "attn_implementation", "trust_remote_code")},
+                "data_eval": self.settings.data_eval, "max_eval_batches": self.max_eval_batches, "eval": data,
+                "suite": suite}
+
+    def _dense_file(self, key: dict[str, Any]):
+        import hashlib
+        import json
+        from pathlib import Path
+
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return Path(self.settings.dense_cache) / f"dense-{digest}.json"
+
+    def _cached_dense(self, trainer: Any, pl_module: Any) -> bool:
+        """Fill the record's dense results from the cache when its stored key matches; False on a miss."""
+        import json
+
+        key = self._dense_key(trainer, pl_module)
+        path = self._dense_file(key)
+        record = pl_module.record
+        try:
+            cached = json.loads(path.read_text()) if path.is_file() else None
+        except ValueError:
+            cached = None
+        hit = cached is not None and cached.get("key") == json.loads(json.dumps(key, default=str))
+        record.evaluation["reuse"] = {"dense": {"hit": hit, "file": str(path)}}
+        if not hit:
+            return False
+        res = cached["results"]
+        for name in ("ppl", "ppl_detail", "evaluation"):
+            if res.get(name) is not None:
+                getattr(record, name)["dense"] = res[name]
+        if res.get("eval") is not None:
+            record.eval = res["eval"]
+        log.info("dense evaluation reused from %s", path)
+        log_metrics(trainer, {"ppl/dense": res.get("ppl"),
+                              "zeroshot/dense_acc": ((res.get("evaluation") or {}).get("zeroshot") or {})
+                              .get("average", {}).get("acc")})
+        if self.settings.suite is not None:
+            self._similarity("dense", trainer, pl_module)  # later states compare against these hidden states
+        return True
+
+    def _store_dense(self, trainer: Any, pl_module: Any) -> None:
+        """Write the dense results just measured under their key (write-then-rename)."""
+        from prunelight.atomic import atomic_write_json
+
+        key = self._dense_key(trainer, pl_module)
+        record = pl_module.record
+        results = {"ppl": record.ppl.get("dense"), "ppl_detail": record.ppl_detail.get("dense"),
+                   "evaluation": record.evaluation.get("dense"), "eval": record.eval}
+        path = self._dense_file(key)
+        atomic_write_json(path, {"key": key, "results": results})
+        record.evaluation["reuse"] = {"dense": {"hit": False, "file": str(path)}}
 
     def _similarity(self, state: str, trainer: Any, pl_module: Any) -> None:
         """Hidden states of the dense model, and each later state's cosine similarity to them."""

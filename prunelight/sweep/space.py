@@ -1,0 +1,162 @@
+"""The search space: dotted run-config keys -> values, checked against the run config before any trial runs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+import sys
+import unittest.mock
+from typing import Any
+
+from prunelight.settings import SettingsError, _bad
+
+RANGE_KEYS = {"low", "high", "step", "log"}
+JSON_PREFIX = "json:"  # values Optuna cannot store (dicts, lists) travel as JSON strings
+
+
+def is_range(spec: Any) -> bool:
+    """True for an optuna range {low, high[, step | log]}."""
+    return isinstance(spec, dict) and {"low", "high"} <= set(spec) and set(spec) <= RANGE_KEYS
+
+
+def encode(value: Any) -> Any:
+    """A value as an Optuna parameter: scalars as they are, anything else as a 'json:' string."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return JSON_PREFIX + json.dumps(value, sort_keys=True)
+
+
+def decode(value: Any) -> Any:
+    """Inverse of `encode`."""
+    if isinstance(value, str) and value.startswith(JSON_PREFIX):
+        return json.loads(value[len(JSON_PREFIX):])
+    return value
+
+
+def check_space(space: dict[str, Any], mode: str) -> None:
+    """Every key is dotted and every value a non-empty list (or, in optuna mode, a numeric range)."""
+    for key, spec in space.items():
+        if not isinstance(key, str) or "." not in key:
+            raise _bad("sweep.space", key, "keys are dotted run-config keys such as prune.ratio or data.seq_len")
+        if is_range(spec):
+            if mode == "grid":
+                raise _bad(f"sweep.space.{key}", spec, "grid mode takes a list of values; ranges are for optuna mode")
+            low, high = spec["low"], spec["high"]
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                          for v in (low, high))
+            if not numbers or low >= high:
+                raise _bad(f"sweep.space.{key}", spec, "a range needs numbers low < high")
+            if spec.get("log") and low <= 0:
+                raise _bad(f"sweep.space.{key}", spec, "a log range needs low > 0")
+            if spec.get("log") and spec.get("step"):
+                raise _bad(f"sweep.space.{key}", spec, "give step or log, not both")
+        elif not isinstance(spec, list) or not spec:
+            raise _bad(f"sweep.space.{key}", spec, "a non-empty list of values"
+                       + (" or a range {low, high, step|log}" if mode == "optuna" else ""))
+        elif len({json.dumps(encode(v)) for v in spec}) != len(spec):
+            raise _bad(f"sweep.space.{key}", spec, "values must be distinct")
+
+
+def grid_points(space: dict[str, list]) -> list[dict[str, Any]]:
+    """Every combination of a list-valued space, in a fixed order (the last key varies fastest)."""
+    keys = list(space)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+
+
+def optuna_grid(space: dict[str, list]) -> dict[str, list]:
+    """The space in GridSampler's form (values encoded)."""
+    return {k: [encode(v) for v in values] for k, values in space.items()}
+
+
+def suggest(trial, space: dict[str, Any]) -> dict[str, Any]:
+    """One point of the space drawn through an Optuna trial (fixed params of enqueued retries come back as is)."""
+    point = {}
+    for key, spec in space.items():
+        if is_range(spec):
+            low, high, step, log = spec["low"], spec["high"], spec.get("step"), bool(spec.get("log"))
+            ints = all(isinstance(v, int) for v in (low, high)) and (step is None or isinstance(step, int))
+            if ints:
+                point[key] = trial.suggest_int(key, low, high, step=step or 1, log=log)
+            else:
+                point[key] = trial.suggest_float(key, float(low), float(high), step=step, log=log)
+        else:
+            point[key] = decode(trial.suggest_categorical(key, [encode(v) for v in spec]))
+    return point
+
+
+def nested(point: dict[str, Any]) -> dict[str, Any]:
+    """{'prune.ratio': 0.2} -> {'prune': {'ratio': 0.2}} (a YAML fragment for `--config`)."""
+    out: dict[str, Any] = {}
+    for key, value in point.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def resolved_config(base: list[str]) -> dict[str, Any]:
+    """The run config the base file(s) give, with every default filled in (`prunelight fit --print_config`)."""
+    import yaml
+
+    from prunelight.cli import cli_main
+
+    args = ["fit"] + [a for b in base for a in ("--config", b)] + ["--print_config"]
+    buf = io.StringIO()
+    # sys.argv is the sweep's own command line; LightningCLI warns when it sees both it and `args`.
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit), \
+            unittest.mock.patch.object(sys, "argv", sys.argv[:1]):
+        cli_main(args)
+    return yaml.safe_load(buf.getvalue()) or {}
+
+
+def _lookup(config: dict, key: str) -> tuple[bool, list[str]]:
+    """Whether `key` names a setting of `config`, and the keys beside it (for the error message)."""
+    node: Any = config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            continue
+        if isinstance(node, dict) and node.get("class_path") and "init_args" in node and part in node["init_args"]:
+            node = node["init_args"][part]
+            continue
+        return False, sorted(node) if isinstance(node, dict) else []
+    return True, []
+
+
+def check_keys(space: dict[str, Any], config: dict[str, Any], base: list[str]) -> None:
+    """Refuse a key the run config does not have, naming it and the keys that do exist there."""
+    for key in space:
+        ok, beside = _lookup(config, key)
+        if not ok:
+            parent = key.rsplit(".", 1)[0]
+            hint = f"; keys under {parent!r} include {', '.join(beside[:12])}" if beside else ""
+            raise _bad("sweep.space", key, f"not a key of the run config {' + '.join(base)}{hint}")
+
+
+def check_values(space: dict[str, Any], config: dict[str, Any]) -> None:
+    """Every listed `prune.*` value is checked by PruneSettings now, so a bad value fails before any trial runs."""
+    from prunelight.settings import PruneSettings
+
+    prune = dict(config.get("prune") or {})
+    for key, spec in space.items():
+        if not key.startswith("prune.") or is_range(spec):
+            continue
+        for value in spec:
+            section = json.loads(json.dumps(prune))
+            node = section
+            *parents, leaf = key.split(".")[1:]
+            for p in parents:
+                if not isinstance(node.get(p), dict):
+                    node[p] = {}
+                node = node[p]
+            node[leaf] = value
+            try:
+                PruneSettings(**section)
+            except (ValueError, TypeError) as err:
+                raise SettingsError(f"sweep.space.{key}: {err}") from None

@@ -1,0 +1,196 @@
+"""Where a sweep keeps its trials: the Optuna study (journal file or RDB), trial records, heartbeats and stale trials.
+
+Optuna does the bookkeeping: trial numbers, states (a finished trial is never run again), several workers on
+one study, the grid's points (GridSampler), retries of killed trials (RetryHeartbeatStaleTrialCallback). What
+Optuna's journal storage lacks is a heartbeat: each worker writes one into the running trial's user
+attributes (`heartbeat`, with its `worker` host:pid), and a trial whose worker process is gone (same host)
+or whose heartbeat is older than 3 intervals is failed as stale and retried. RDB storages use Optuna's own
+heartbeat as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prunelight.sweep.space import decode
+from prunelight.sweep.settings import SweepSettings
+
+log = logging.getLogger("prunelight")
+
+JOURNAL_FILE = "study.journal"
+STALE_INTERVALS = 3  # heartbeats missed before a running trial counts as dead
+
+
+def worker_id() -> str:
+    """This process as 'host:pid'."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def retry_callback(max_retries: int):
+    """Optuna's callback that queues a stale trial again with the same parameters (at most `max_retries` times)."""
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return RetryHeartbeatStaleTrialCallback(max_retry=max_retries)
+
+
+def open_storage(settings: SweepSettings):
+    """The study's storage: a journal file in out_dir by default, else the RDB URL (with Optuna's heartbeat)."""
+    from optuna.storages import JournalStorage, RDBStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if settings.storage is None:
+        path = Path(settings.out_dir) / JOURNAL_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    return RDBStorage(settings.storage, heartbeat_interval=settings.heartbeat_s,
+                      grace_period=STALE_INTERVALS * settings.heartbeat_s,
+                      failed_trial_callback=retry_callback(settings.max_retries))
+
+
+def make_sampler(settings: SweepSettings, seed: int | None = None):
+    """GridSampler over the space (grid mode), else TPE or random sampling, seeded (`seed`, default the sweep's)."""
+    import optuna
+
+    from prunelight.sweep.space import optuna_grid
+
+    seed = settings.seed if seed is None else seed
+    if settings.grid:
+        return optuna.samplers.GridSampler(optuna_grid(settings.space), seed=seed)
+    if settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def open_study(settings: SweepSettings, storage=None):
+    """Create or join the study named `study_name` in the storage."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is one line of ours, not a traceback
+    return optuna.create_study(storage=storage or open_storage(settings), sampler=make_sampler(settings),
+                               study_name=settings.study_name, direction=settings.objective.direction,
+                               load_if_exists=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale(trial, heartbeat_s: int, check_age: bool, now: float | None = None) -> str | None:
+    """Why a RUNNING trial is dead (its worker process is gone, or its heartbeat stopped), or None if alive."""
+    worker = trial.user_attrs.get("worker")
+    if worker:
+        host, _, pid = str(worker).rpartition(":")
+        if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            return f"its worker {worker} is gone (killed?)"
+    if check_age:
+        now = time.time() if now is None else now
+        beat = trial.user_attrs.get("heartbeat")
+        if beat is None and trial.datetime_start is not None:
+            beat = trial.datetime_start.timestamp()
+        if beat is not None and now - float(beat) > STALE_INTERVALS * heartbeat_s:
+            return f"no heartbeat for {now - float(beat):.0f} s (worker {worker})"
+    return None
+
+
+def fail_stale(study, settings: SweepSettings) -> list[int]:
+    """Fail the running trials of dead workers and enqueue their retries (up to max_retries); their numbers."""
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    native = getattr(storage, "heartbeat_interval", None) is not None  # RDB: Optuna checks the age itself
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        why = is_stale(t, settings.heartbeat_s, check_age=not native)
+        if why is None:
+            continue
+        try:  # the attributes first: a finished trial cannot be updated
+            storage.set_trial_user_attr(t._trial_id, "stale", True)
+            storage.set_trial_user_attr(t._trial_id, "error", f"stale: {why}")
+            if storage.set_trial_state_values(t._trial_id, TrialState.FAIL) is False:
+                continue
+        except Exception:  # another worker failed it first
+            continue
+        log.warning("sweep: trial %d was running when %s; marked failed%s", t.number, why,
+                    "" if settings.max_retries == 0 else " and queued for a retry")
+        retry_callback(settings.max_retries)(study, storage.get_trial(t._trial_id))
+        failed.append(t.number)
+    return failed
+
+
+class Heartbeat:
+    """Writes `heartbeat` (and `worker`) into a running trial's user attributes every interval, from a thread."""
+
+    def __init__(self, study, trial_id: int, interval_s: float) -> None:
+        self.storage, self.trial_id, self.interval = study._storage, trial_id, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prunelight-sweep-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self.storage.set_trial_user_attr(self.trial_id, "worker", worker_id())
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """One heartbeat now."""
+        self.storage.set_trial_user_attr(self.trial_id, "heartbeat", time.time())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception as err:  # a storage hiccup must not kill the trial; the next beat retries
+                log.warning("sweep: heartbeat of trial %d failed: %s", self.trial_id, err)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def trial_row(t) -> dict[str, Any]:
+    """One trial as the results file keeps it: number, state, parameters, objective value and what it measured."""
+    result = dict(t.user_attrs.get("result") or {})
+    return {
+        "number": t.number,
+        "state": t.state.name,
+        "params": {k: decode(v) for k, v in t.params.items()},
+        "value": t.value if t.state.name == "COMPLETE" else None,
+        "error": t.user_attrs.get("error"),
+        "retry_of": t.system_attrs.get("failed_trial"),
+        "duplicate_of": t.user_attrs.get("duplicate_of"),
+        "stale": bool(t.user_attrs.get("stale")),
+        "started": t.datetime_start.isoformat() if t.datetime_start else None,
+        "finished": t.datetime_complete.isoformat() if t.datetime_complete else None,
+        **{k: result.get(k) for k in ("model", "metrics", "times_s", "peak_rss_mib", "reuse", "out_dir", "log")},
+    }
+
+
+def results_document(study, settings: SweepSettings) -> dict[str, Any]:
+    """Everything the tables and figures need, from the study alone (`results.json`)."""
+    return {
+        "study": settings.study_name,
+        "mode": settings.mode,
+        "objective": {"describe": settings.objective.describe(), "direction": settings.objective.direction,
+                      "metric": settings.objective.metric, "weights": settings.objective.weights},
+        "space": settings.space,
+        "group_by": list(settings.group_by),
+        "model_key": settings.model_key,
+        "trials": [trial_row(t) for t in study.get_trials(deepcopy=False)],
+    }
