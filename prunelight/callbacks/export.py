@@ -101,7 +101,10 @@ class ExportCallback(L.Callback):
                         self.out_dir)
             record.notes.append("ZeRO-3 run: recovered model not evaluated in-run")
             return
-        if pl_module.plan is not None:
+        if pl_module.plan is not None and pl_module.recovery == "none" and trainer.global_step == 0:
+            # nothing stepped after the cut: the final model is the pruned one, already measured
+            record.notes.append("recovery: none; the final model is the pruned model (measured once)")
+        elif pl_module.plan is not None:
             self.evaluator.measure("recovered", trainer, pl_module, folder=record.export_dir)
         elif "dense" not in record.ppl:
             self.evaluator.measure("dense", trainer, pl_module, folder=record.export_dir)
