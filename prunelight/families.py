@@ -178,6 +178,10 @@ class ModelFamily:
     gate_name: str = "gate_proj"
     up_name: str = "up_proj"
     down_name: str = "down_proj"
+    stock_fallback: str | None = None
+    """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
+    refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
+    head_dim). Used by `export.format: stock`; None: no fallback."""
 
     @property
     def model_types(self) -> tuple[str, str]:
@@ -404,7 +408,7 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
-    attn_bias="config", mlp_bias="config",
+    attn_bias="config", mlp_bias="config", stock_fallback="mistral",
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 
 from prunelight.allocation import precheck
+from prunelight.allocation.stock import check_stock_settings
 from prunelight.console import cut_summary, log_metrics, show_progress
 from prunelight.distributed import needs_fresh_engine, strategy_sum, zero_stage
 from prunelight.evaluation.run import RunEvaluator
@@ -34,10 +35,12 @@ class PruningCallback(L.Callback):
     from it in a fresh engine.
     """
 
-    def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None) -> None:
+    def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None,
+                 uniform_shape: bool = False) -> None:
         super().__init__()
         self.settings = settings or PruneSettings()
         self.evaluator = evaluator
+        self.uniform_shape = uniform_shape  # export.format: stock (ExportSettings.uniform_shape) keeps one layer shape
         self.pruned = False
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -48,6 +51,8 @@ class PruningCallback(L.Callback):
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.settings = dataclasses.replace(self.settings, prune_step=0, max_calibration_batches=1,
                                                 importance_batches=1)
+        if self.uniform_shape:
+            check_stock_settings(self.settings)
         step = self.settings.prune_step
         if step and trainer.max_steps is not None and trainer.max_steps >= 0 and step >= trainer.max_steps:
             raise ValueError(f"prune.prune_step={step} is not allowed: the run stops at trainer.max_steps="
@@ -99,14 +104,14 @@ class PruningCallback(L.Callback):
         if fresh:
             self._check_deepspeed(trainer, base)
         # Size checks (frozen layers, split feasibility, units available) before evaluation and calibration.
-        budget = precheck(shape_twin(base) if sharded else base, s)
+        budget = precheck(shape_twin(base) if sharded else base, s, self.uniform_shape)
         self._measure("dense", trainer, pl_module, folder=pl_module.pretrained if pl_module.model_config is None
                       else None)
 
         t0 = time.perf_counter()
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
         plan, scores = make_plan(base, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device),
-                                 sharded=sharded, budget=budget)
+                                 sharded=sharded, budget=budget, uniform_shape=self.uniform_shape)
         times["calibration_and_allocation"] = time.perf_counter() - t0
         record.calibration = CalibrationRecord(
             criterion=s.criterion, allocation=s.allocation, ratio=s.ratio, settings=s.as_dict(),
