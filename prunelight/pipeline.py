@@ -90,6 +90,8 @@ def make_plan(
         plan.meta["block_importance"] = block_scores
     if search is not None:
         plan.meta["split_search"] = search
+        if groups_removed is not None:  # the uniform shape was chosen by the search: its candidates carry the NLL
+            plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
     return plan, scores
 
 

@@ -200,3 +200,28 @@ def test_loads_with_plain_transformers_without_prunelight(stock_exports):
         cls, got_logits = got[name]
         assert cls == expected[name]
         torch.testing.assert_close(torch.tensor(got_logits), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_deploy_config_parses_with_the_cli(tmp_path, capsys):
+    """configs/deploy.yaml: Llama-3-8B, 20%, stock export, distillation recovery (needs PruneLM's distillation)."""
+    import inspect
+
+    import yaml
+
+    from prunelight.cli import cli_main
+    from prunelight.module import PruneLM
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "deploy.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert config["model"]["distillation"]["loss"] == "kl" and config["export"]["format"] == "stock"
+    if "distillation" not in inspect.signature(PruneLM).parameters:  # before the distillation branch is merged
+        del config["model"]["distillation"]
+        path = tmp_path / "deploy.yaml"
+        path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", str(path), "--print_config"])
+    assert exc.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["pretrained"] == "meta-llama/Meta-Llama-3-8B"
+    assert printed["prune"]["ratio"] == 0.2 and printed["export"]["format"] == "stock"
+    assert printed["prune"]["align_channels"] == 128 and printed["prune"]["reconstruct"] == "least_squares"
