@@ -169,9 +169,8 @@ def test_engine_fields_present_and_consistent_with_the_tensors(stock_exports):
             assert p + "self_attn.o_proj.bias" not in shapes and p + "mlp.down_proj.bias" not in shapes
 
 
-def test_loads_with_plain_transformers_without_prunelight(stock_exports):
-    """A fresh interpreter without site processing (no editable prunelight) and no trust_remote_code."""
-    folders = {name: str(v[0]) for name, v in stock_exports.items()}
+def _load_clean(folders: dict[str, str]) -> dict:
+    """Load each folder in a fresh interpreter without site processing (no editable prunelight), no remote code."""
     code = textwrap.dedent(f"""
         import json, sys
         sys.path.append({SITE!r})
@@ -194,12 +193,38 @@ def test_loads_with_plain_transformers_without_prunelight(stock_exports):
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["_prunelight_importable"] is False
+    return got
+
+
+def test_loads_with_plain_transformers_without_prunelight(stock_exports):
+    got = _load_clean({name: str(v[0]) for name, v in stock_exports.items()})
     expected = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "llama-7-heads": "MistralForCausalLM"}
     for name, (_, logits, _) in stock_exports.items():
         cls, got_logits = got[name]
         assert cls == expected[name]
         torch.testing.assert_close(torch.tensor(got_logits), logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_reference_model_stock_export_loads_clean(ref_model_dir, tmp_path):
+    """The reference model cut to 20% with one shape (weight-only scores) loads as stock with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from prunelight.pipeline import make_plan
+    from prunelight.settings import PruneSettings
+
+    model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
+    settings = PruneSettings(ratio=0.2, criterion="magnitude", reconstruct="none", align_channels=64)
+    plan, _ = make_plan(model, [], settings, uniform_shape=True)
+    assert 0 <= plan.meta["budget_error_params"] < 8 * 64 * 3 * 256
+    apply_plan(model, plan)
+    folder = export_pretrained(model, tmp_path / "ref", format="stock")
+    with torch.no_grad():
+        logits = model(torch.tensor(IDS)).logits
+    cls, got = _load_clean({"ref": str(folder)})["ref"]
+    assert cls in ("LlamaForCausalLM", "MistralForCausalLM")
+    torch.testing.assert_close(torch.tensor(got), logits, atol=1e-4, rtol=1e-4)
 
 
 def test_deploy_config_parses_with_the_cli(tmp_path, capsys):

@@ -129,8 +129,9 @@ class ExportCallback(L.Callback):
 
 def _command_line() -> str | None:
     """The `prunelight ...` command that started this process, for the model card (None from other programs)."""
-    prog = Path(sys.argv[0]).name if sys.argv else ""
-    return shlex.join(["prunelight", *sys.argv[1:]]) if prog.startswith("prunelight") else None
+    prog = Path(sys.argv[0]) if sys.argv else Path()
+    ours = prog.name.startswith("prunelight") or prog.parent.name == "prunelight"  # console script or python -m
+    return shlex.join(["prunelight", *sys.argv[1:]]) if ours else None
 
 
 def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=None) -> list[L.Callback]:

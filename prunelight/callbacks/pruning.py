@@ -129,7 +129,8 @@ class PruningCallback(L.Callback):
             out = Path(trainer.default_root_dir) / "pruned"
             pruned = gathered_pruned_copy(base, plan, keep=trainer.is_global_zero)
             if pruned is not None:
-                export_pretrained(pruned, out, tokenizer=pl_module.load_tokenizer())
+                export_pretrained(pruned, out, tokenizer=pl_module.load_tokenizer(),
+                                  license_from=pl_module.pretrained)  # the licenses travel to the final export
                 record.layers = [x.as_dict() for x in get_family(pruned).layer_shapes(pruned)]
             del pruned
             trainer.strategy.barrier("prunelight_pruned_model_written")
