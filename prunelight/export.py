@@ -73,8 +73,8 @@ def stock_config(model: nn.Module):
             log.info("stock export: %s refuses these shapes; writing the equivalent %s", family.config_class.__name__,
                      fam.config_class.__name__)
         return config
-    raise StockExportError(f"export.format=stock: no stock config accepts shape {shapes[0].as_dict()} ({'; '.join(errors)})"
-                           "; use export.format: auto (prunelight config type)")
+    raise StockExportError(f"export.format=stock: no stock config accepts shape {shapes[0].as_dict()} "
+                           f"({'; '.join(errors)}); use export.format: auto (prunelight config type)")
 
 
 def _lost_biases(family, fallback, config) -> list[str]:

@@ -75,9 +75,9 @@ def candidates(scores: UnitScores, budget: Budget, align: int = 1, drop: set[int
                     "attn_share_removed": attn / max(attn + len(live) * (n_c - kept) * budget.c_cost, 1),
                     "removed_score": gone})
     if not out:
+        keep_g = max(budget.min_groups, 1)
         raise ValueError(f"prune.ratio={budget.ratio} is not allowed with export.format=stock: no uniform shape meets "
-                         f"the budget keeping {low_c} MLP channel(s) and {max(budget.min_groups, 1)} group(s) per layer; "
-                         "lower the ratio")
+                         f"the budget keeping {low_c} MLP channel(s) and {keep_g} group(s) per layer; lower the ratio")
     return out
 
 
