@@ -7,6 +7,7 @@ not fill (or a newer record adds, e.g. distillation) is left out or shown as it 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import prunelight
@@ -43,7 +44,8 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
     model_type = cfg.get("model_type", "unknown")
     stock = not cfg.get("layer_shapes") and not cfg.get("auto_map") and not str(model_type).startswith("prunelight")
     tags = ["prunelight", "pruned", "structured-pruning", str(model_type)]
-    lines = ["---", f"base_model: {base}" if base not in ("config", "unknown") else "base_model: null",
+    hub_id = base not in ("config", "unknown") and not base.startswith((".", "/", "~")) and not Path(base).exists()
+    lines = ["---", f"base_model: {base}" if hub_id else "base_model: null  # a local folder or a test config",
              "library_name: transformers", "tags:", *[f"- {t}" for t in tags], "---", "",
              f"# {base} pruned with prunelight", ""]
     before, after = rec.get("params_before"), rec.get("params_after")
@@ -92,9 +94,9 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
     lines += ["", "## Format", ""]
     archs = ", ".join(cfg.get("architectures") or [])
     if stock:
-        lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code: {STOCK_ENGINES}. Verified by "
-                     "prunelight: loads with plain transformers without trust_remote_code, same logits as the "
-                     "pruned model.")
+        lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code: {STOCK_ENGINES}. Loads with plain "
+                     "transformers, without trust_remote_code or prunelight (prunelight's tests check such folders "
+                     "give the pruned model's logits).")
     else:
         lines.append(f"prunelight config type `{model_type}` (`{archs}`): {PRUNED_ENGINES}.")
     lines += ["", "## How it was made", "", f"prunelight {prunelight.__version__}."]
