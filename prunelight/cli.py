@@ -49,10 +49,12 @@ class PrunelightCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         evaluator = RunEvaluator(self._get(self.config_init, "evaluation"))
+        export = self._get(self.config_init, "export")
+        uniform = getattr(export, "uniform_shape", False)  # export.format: stock constrains the cut
         self.job_callbacks = [
-            PruningCallback(self._get(self.config_init, "prune"), evaluator,
-                            out_dir=self._get(self.config_init, "export").out_dir),
-            ExportCallback(self._get(self.config_init, "export"), evaluator),
+            PruningCallback(self._get(self.config_init, "prune"), evaluator, out_dir=export.out_dir,
+                            uniform_shape=uniform),
+            ExportCallback(export, evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         if trainer_config.get("logger") in (None, True) and importlib.util.find_spec("tensorboard") is None:

@@ -206,6 +206,10 @@ class ModelFamily:
     # The attention reads its query width from config.num_attention_heads at every forward (Phi-3), so a
     # resized attention gets its own view of the config (`modeling.set_attention_heads`).
     attn_heads_from_config: bool = False
+    stock_fallback: str | None = None
+    """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
+    refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
+    head_dim). Used by `export.format: stock`; None: no fallback."""
 
     @property
     def model_types(self) -> tuple[str, str]:
@@ -444,7 +448,7 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
-    attn_bias="config", mlp_bias="config",
+    attn_bias="config", mlp_bias="config", stock_fallback="mistral",
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,

@@ -38,6 +38,7 @@ def make_plan(
     sharded: bool = False,
     budget: Budget | None = None,
     saved: SavedScores | None = None,
+    uniform_shape: bool = False,
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
@@ -46,14 +47,15 @@ def make_plan(
     weightless twin, and options that run extra forwards on masked weights are refused. A `budget`
     already made by `allocation.precheck` for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
-    importance measures: nothing is run on `batches`.
+    importance measures: nothing is run on `batches`. `uniform_shape` (export.format: stock) keeps one
+    layer shape; with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL.
     """
     from prunelight import zero3
 
     if sharded:
         _refuse_on_partitioned(settings)
     if budget is None:
-        budget = precheck(zero3.shape_twin(model) if sharded else model, settings)
+        budget = precheck(zero3.shape_twin(model) if sharded else model, settings, uniform_shape)
     batches = list(batches)  # read more than once: calibration, layer importance, split search
     if saved is not None:
         check_scores_cover(saved, settings)
@@ -67,9 +69,13 @@ def make_plan(
 
     search = None
     share = settings.attn_share
-    if settings.attn_mlp_split == "auto":
+    groups_removed = None
+    if settings.attn_mlp_split == "auto" and uniform_shape:
+        groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
-    plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share)
+    plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
+                    uniform_shape=uniform_shape, groups_removed=groups_removed)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -80,6 +86,8 @@ def make_plan(
         plan.meta["block_importance"] = block_scores
     if search is not None:
         plan.meta["split_search"] = search
+        if groups_removed is not None:  # the uniform shape was chosen by the search: its candidates carry the NLL
+            plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
     return plan, scores
 
 
@@ -156,6 +164,21 @@ def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.T
     with masked(model, plan):
         res = evaluate_perplexity(unwrap(model), batches)
     return mean_over_ranks([res["nll"]], reduce_sum)[0]
+
+
+def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
+                  layer_scores, batches, reduce_sum) -> tuple[int, dict]:
+    """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest."""
+    first = allocate(budget, scores, settings, layer_scores=layer_scores, uniform_shape=True)
+    cands = first.meta["stock_shapes"]["candidates"]
+    tried = []
+    for cand in progress(cands, desc="uniform shape search", unit="shape"):
+        k = cand["groups_removed_per_layer"]
+        plan = allocate(budget, scores, settings, layer_scores=layer_scores, uniform_shape=True, groups_removed=k)
+        tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
+    best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
+    return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,
+                                              "best_groups_removed_per_layer": best["groups_removed_per_layer"]}
 
 
 def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,

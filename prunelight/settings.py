@@ -23,6 +23,7 @@ SPLIT_ALLOCATIONS = ("global", "layerwise")  # the allocations that can honour a
 RATE_STRATEGIES = ("inverse", "proportional", "uniform")
 IMPORTANCE_SCALES = ("minmax", "rank")
 BLOCK_IMPORTANCE = ("units", "removal")
+EXPORT_FORMATS = ("auto", "stock")  # export.py (the writer) and allocation/stock.py (the uniform-shape cut)
 
 CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
 AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
@@ -30,6 +31,7 @@ LayerImportanceName = Literal[LAYER_IMPORTANCE]  # type: ignore[valid-type]
 RateStrategy = Literal[RATE_STRATEGIES]  # type: ignore[valid-type]
 ImportanceScale = Literal[IMPORTANCE_SCALES]  # type: ignore[valid-type]
 BlockImportance = Literal[BLOCK_IMPORTANCE]  # type: ignore[valid-type]
+ExportFormat = Literal[EXPORT_FORMATS]  # type: ignore[valid-type]
 ReconstructionName = Literal[RECONSTRUCTIONS]  # type: ignore[valid-type]
 
 
@@ -296,7 +298,18 @@ class ExportSettings:
     """Write the merged, pruned model as a Hugging Face folder (<out_dir>/model)."""
     figures: bool = True
     """Write the report's PNG figures."""
+    format: ExportFormat = "auto"
+    """Model folder type. auto: a stock config when every layer has one shape, else the prunelight type
+    (per-layer widths; transformers loads it with trust_remote_code, serving engines do not). stock: the cut
+    keeps one shape in every layer (MLP-only pruning allowed, whole layers may go) and the folder is a stock
+    Llama/Mistral/Qwen2 config that vLLM, llama.cpp, TGI and TensorRT-LLM read (README, "Deployable export")."""
 
     def __post_init__(self) -> None:
         if not str(self.out_dir).strip():
             raise _bad("export.out_dir", self.out_dir, "must be a folder path")
+        _choice("export.format", self.format, EXPORT_FORMATS)
+
+    @property
+    def uniform_shape(self) -> bool:
+        """Whether the cut must keep one shape in every layer (what the pruning job is told)."""
+        return self.format == "stock"

@@ -36,6 +36,8 @@ from prunelight.allocation.budget import (
     true_up,
 )
 from prunelight.allocation.layerwise import layer_rates, layerwise_width
+from prunelight.allocation.stock import candidates as stock_candidates
+from prunelight.allocation.stock import check_stock_settings, stock_width
 from prunelight.allocation.structural import blockwise, depth
 from prunelight.allocation.width import global_width, kind_targets, uniform_width
 from prunelight.importance.base import UnitScores
@@ -47,8 +49,17 @@ NEEDS_LAYER_IMPORTANCE = ("layerwise", "depth")
 __all__ = ["ALLOCATIONS", "Budget", "allocate", "count_params", "decoder_params", "make_budget", "precheck"]
 
 
-def precheck(model: nn.Module, settings: PruneSettings) -> Budget:
-    """Measure the model once and refuse settings its sizes cannot meet (run before calibration)."""
+def precheck(model: nn.Module, settings: PruneSettings, uniform_shape: bool = False) -> Budget:
+    """Measure the model once and refuse settings its sizes cannot meet (run before calibration).
+
+    `uniform_shape` (export.format: stock) also refuses settings and models no uniform shape suits.
+    """
+    if uniform_shape:
+        check_stock_settings(settings)
+        if settings.target_kv_cache is not None:
+            raise ValueError(f"prune.target_kv_cache={settings.target_kv_cache!r} is not allowed with export.format="
+                             "stock: a KV-cache target removes groups where they matter least, which breaks the one "
+                             "shape per layer; use prune.ratio, prune.target_params or prune.target_memory")
     budget = make_budget(model, settings)
     rates = settings.layerwise
     goal = settings.target
@@ -76,8 +87,13 @@ def precheck(model: nn.Module, settings: PruneSettings) -> Budget:
                 f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
             )
     share = settings.attn_share
-    if share is not None:
+    if share is not None and not uniform_shape:
         kind_targets(budget, share)
+    if uniform_shape and settings.allocation != "depth":  # depth's dropped layers are known only after scoring
+        import torch
+
+        zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
+        stock_candidates(zeros, budget, settings.align_channels)
     return budget
 
 
@@ -88,12 +104,18 @@ def allocate(
     layer_scores: Sequence[float] | None = None,
     block_scores: dict[str, Sequence[float]] | None = None,
     attn_share: float | None = None,
+    uniform_shape: bool = False,
+    groups_removed: int | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
     `attn_share` overrides the settings' fixed split (the split search tries several); layerwise and
     depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
+    `uniform_shape` (export.format: stock) keeps one shape in every kept layer (allocation/stock.py);
+    `groups_removed` then fixes the groups removed per layer (the calibration search tries each).
     """
+    if uniform_shape:
+        return _allocate_stock(budget, scores, settings, layer_scores, attn_share, groups_removed)
     method = settings.allocation
     if budget.kv_groups:
         return _kv_plan(budget, scores, method)
@@ -152,4 +174,31 @@ def _kv_plan(budget: Budget, scores: UnitScores, method: str) -> PrunePlan:
                 left -= 1
     plan = build_plan(budget, removed)
     plan.meta = {"allocation": method, **plan_meta(budget, plan)}
+    return plan
+
+
+def _allocate_stock(budget: Budget, scores: UnitScores, settings: PruneSettings, layer_scores, attn_share,
+                    groups_removed: int | None) -> PrunePlan:
+    """`allocate` under export.format: stock: whole layers (depth) first, then one uniform width everywhere."""
+    check_stock_settings(settings)
+    check_scores(scores, budget)
+    method = settings.allocation
+    share = settings.attn_share if attn_share is None else attn_share
+    drop: set[int] = set()
+    if method == "depth":
+        if layer_scores is None:
+            raise ValueError("allocation 'depth' needs layer importance (layer_scores); make_plan measures it")
+        removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
+        if not settings.fill_width:
+            plan = build_plan(budget, removed, drop)
+            plan.meta = {"allocation": method, "uniform_shape": True, **plan_meta(budget, plan)}
+            return plan
+    removed, report = stock_width(scores, budget, settings.align_channels, drop, share, groups_removed)
+    plan = build_plan(budget, removed, drop)
+    extra = {"allocation": method, "uniform_shape": True, "stock_shapes": report}
+    if share is not None:
+        extra["attn_share_target"] = share
+    if settings.align_channels > 1:
+        extra["align_channels"] = settings.align_channels
+    plan.meta = {**extra, **plan_meta(budget, plan)}
     return plan

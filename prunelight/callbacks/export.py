@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import lightning as L
 
 from prunelight.allocation import count_params
+from prunelight.atomic import atomic_write_text
 from prunelight.console import progress
 from prunelight.distributed import zero_stage
 from prunelight.evaluation.figures import write_figures
 from prunelight.evaluation.run import RunEvaluator
-from prunelight.export import export_pretrained
+from prunelight.export import export_config, export_pretrained
 from prunelight.families import get_family
+from prunelight.model_card import model_card
 from prunelight.record import RecoveryRecord
 from prunelight.report import write_report
 from prunelight.settings import ExportSettings
@@ -64,11 +68,15 @@ class ExportCallback(L.Callback):
             if self.settings.model:
                 t0 = time.perf_counter()
                 with progress(None, "export", total=1, unit="folder") as bar:
-                    export_pretrained(pl_module.model, self.out_dir / "model", tokenizer=pl_module.load_tokenizer())
+                    export_pretrained(pl_module.model, self.out_dir / "model", tokenizer=pl_module.load_tokenizer(),
+                                      format=self.settings.format, card=self._card(record, pl_module),
+                                      license_from=pl_module.pretrained if pl_module.model_config is None else None)
                     bar.update(1)
                 record.times_s["export"] = time.perf_counter() - t0
                 record.export_dir = str(self.out_dir / "model")
         self._measure_final(trainer, pl_module, sharded)
+        if trainer.is_global_zero and record.export_dir:  # the card again, now with the recovered perplexity
+            atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, pl_module))
         if trainer.is_global_zero:
             report = record.to_dict()
             if self.settings.figures:
@@ -77,6 +85,11 @@ class ExportCallback(L.Callback):
             self._print_end(record)
         if trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-export")  # no rank leaves fit before the export is on disk
+
+    def _card(self, record, pl_module) -> str:
+        """The model card of the exported folder from the record so far (see prunelight.model_card)."""
+        config = export_config(pl_module.model, self.settings.format)  # what config.json states (fallback family)
+        return model_card(record.to_dict(), config=config, command=_command_line())
 
     def _merge(self, trainer: L.Trainer, pl_module, sharded: bool) -> None:
         """Fold LoRA into the weights; under ZeRO-3 into a gathered CPU copy on rank 0."""
@@ -118,13 +131,21 @@ class ExportCallback(L.Callback):
         log.info("report written to %s", self.out_dir / "report.md")
 
 
+def _command_line() -> str | None:
+    """The `prunelight ...` command that started this process, for the model card (None from other programs)."""
+    prog = Path(sys.argv[0]) if sys.argv else Path()
+    ours = prog.name.startswith("prunelight") or prog.parent.name == "prunelight"  # console script or python -m
+    return shlex.join(["prunelight", *sys.argv[1:]]) if ours else None
+
+
 def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=None) -> list[L.Callback]:
     """The pruning job's two callbacks sharing one evaluator (what `prunelight fit` adds to the Trainer)."""
     from prunelight.callbacks.pruning import PruningCallback
 
     evaluator = RunEvaluator(evaluation)
     export = export or ExportSettings()
-    return [PruningCallback(prune, evaluator, out_dir=export.out_dir), ExportCallback(export, evaluator)]
+    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, uniform_shape=export.uniform_shape),
+            ExportCallback(export, evaluator)]
 
 
 __all__ = ["ExportCallback", "job_callbacks"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 
 from prunelight.allocation import precheck
+from prunelight.allocation.stock import check_stock_settings
 from prunelight.console import cut_summary, log_metrics, show_progress
 from prunelight.distributed import needs_fresh_engine, strategy_sum, zero_stage
 from prunelight.evaluation.run import RunEvaluator
@@ -47,11 +48,12 @@ class PruningCallback(L.Callback):
     """
 
     def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None,
-                 out_dir: str | None = None) -> None:
+                 out_dir: str | None = None, uniform_shape: bool = False) -> None:
         super().__init__()
         self.settings = settings or PruneSettings()
         self.evaluator = evaluator
         self.out_dir = out_dir  # plan.json and scores.pt go here (default: the trainer's default_root_dir)
+        self.uniform_shape = uniform_shape  # export.format: stock (ExportSettings.uniform_shape) keeps one layer shape
         self.pruned = False
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -62,6 +64,8 @@ class PruningCallback(L.Callback):
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.settings = dataclasses.replace(self.settings, prune_step=0, max_calibration_batches=1,
                                                 importance_batches=1)
+        if self.uniform_shape:
+            check_stock_settings(self.settings)
         step = self.settings.prune_step
         if step and trainer.max_steps is not None and trainer.max_steps >= 0 and step >= trainer.max_steps:
             raise ValueError(f"prune.prune_step={step} is not allowed: the run stops at trainer.max_steps="
@@ -118,7 +122,7 @@ class PruningCallback(L.Callback):
             saved_plan = load_plan_checked(twin, s.plan)
         else:
             # Size checks (frozen layers, split feasibility, units available) before evaluation and calibration.
-            budget = precheck(twin, s)
+            budget = precheck(twin, s, self.uniform_shape)
             if s.scores:
                 saved = load_scores(s.scores)
                 check_key(saved.key, scores_key(base, s, calibration_identity(dm, s)), s.scores,
@@ -140,7 +144,8 @@ class PruningCallback(L.Callback):
                 log.info("no scoring pass: unit scores from %s (%s, %d samples); %s", s.scores, saved.key["criterion"],
                          saved.samples, _repair_reads(s, batches))
             plan, scores = make_plan(base, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device),
-                                     sharded=sharded, budget=budget, saved=saved)
+                                     sharded=sharded, budget=budget, saved=saved,
+                                     uniform_shape=self.uniform_shape)
         times["calibration_and_allocation"] = time.perf_counter() - t0
         made = plan.meta
         record.calibration = CalibrationRecord(
@@ -162,7 +167,8 @@ class PruningCallback(L.Callback):
             out = Path(trainer.default_root_dir) / "pruned"
             pruned = gathered_pruned_copy(base, plan, keep=trainer.is_global_zero)
             if pruned is not None:
-                export_pretrained(pruned, out, tokenizer=pl_module.load_tokenizer())
+                export_pretrained(pruned, out, tokenizer=pl_module.load_tokenizer(),
+                                  license_from=pl_module.pretrained)  # the licenses travel to the final export
                 record.layers = [x.as_dict() for x in get_family(pruned).layer_shapes(pruned)]
             del pruned
             trainer.strategy.barrier("prunelight_pruned_model_written")

@@ -1,0 +1,110 @@
+"""The exported folder's README.md: base model, what was removed, the recovery, perplexities, format and command.
+
+Built from the run record as a plain dict (`RunRecord.to_dict()`), read defensively: a field a run did
+not fill (or a newer record adds, e.g. distillation) is left out or shown as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import prunelight
+
+STOCK_ENGINES = "vLLM, llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM read this stock config"
+PRUNED_ENGINES = ("transformers only, with trust_remote_code=True (per-layer widths: serving engines do not load "
+                  "this type; re-run with export.format: stock)")
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return str(v)
+
+
+def _compact(values: list) -> str:
+    """'32 x 8' for equal values, else the list."""
+    if values and len(set(values)) == 1:
+        return f"{values[0]} in each of {len(values)} layers"
+    return ", ".join(str(v) for v in values)
+
+
+def model_card(record: dict[str, Any], config: Any = None, command: str | None = None) -> str:
+    """Markdown model card for an exported folder from a run record dict and the saved config."""
+    rec = record or {}
+    plan = rec.get("plan") or {}
+    cal = rec.get("calibration") or {}
+    base = rec.get("model") or "unknown"
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    model_type = cfg.get("model_type", "unknown")
+    stock = not cfg.get("layer_shapes") and not cfg.get("auto_map") and not str(model_type).startswith("prunelight")
+    tags = ["prunelight", "pruned", "structured-pruning", str(model_type)]
+    hub_id = base not in ("config", "unknown") and not base.startswith((".", "/", "~")) and not Path(base).exists()
+    lines = ["---", f"base_model: {base}" if hub_id else "base_model: null  # a local folder or a test config",
+             "library_name: transformers", "tags:", *[f"- {t}" for t in tags], "---", "",
+             f"# {base} pruned with prunelight", ""]
+    before, after = rec.get("params_before"), rec.get("params_after")
+    lines += ["## What was removed", ""]
+    if before and after:
+        lines.append(f"- Parameters: {_num(before)} -> {_num(after)} ({100 * (before - after) / before:.2f}% removed)")
+    if cal:
+        lines.append(f"- Criterion `{cal.get('criterion')}`, allocation `{cal.get('allocation')}`, ratio "
+                     f"{cal.get('ratio')}, {cal.get('samples')} calibration samples of {cal.get('seq_len')} tokens"
+                     + (f" from {cal['source']}" if cal.get("source") else ""))
+    if plan:
+        lines.append(f"- GQA groups removed: {_num(plan.get('groups_removed'))}; MLP channels removed: "
+                     f"{_num(plan.get('channels_removed'))}; layers dropped: {plan.get('layers_dropped') or 'none'}")
+        stock_shapes = plan.get("stock_shapes") or {}
+        if stock_shapes:
+            lines.append(f"- Uniform shape (export.format: stock): {stock_shapes.get('chosen')} group(s) removed per "
+                         f"layer, chosen by {stock_shapes.get('chosen_by')} among "
+                         f"{len(stock_shapes.get('candidates') or [])} candidate shape(s)")
+    layers = rec.get("layers") or []
+    if layers:
+        for key, name in (("num_attention_heads", "Query heads"), ("num_key_value_heads", "KV heads"),
+                          ("intermediate_size", "MLP width")):
+            lines.append(f"- {name}: {_compact([layer.get(key) for layer in layers])}")
+    if rec.get("reconstruction"):
+        r = rec["reconstruction"]
+        lines.append(f"- Reconstruction after the cut: `{r.get('method')}`")
+    lines += ["", "## Recovery", ""]
+    recovery = rec.get("recovery") or {}
+    if recovery:
+        lines.append(f"- Mode: `{recovery.get('mode')}`, {recovery.get('steps')} optimizer steps")
+        if recovery.get("lora"):
+            lines.append(f"- LoRA: `{json.dumps(recovery['lora'], sort_keys=True)}`")
+        distill = recovery.get("distillation") or rec.get("distillation")
+        if distill:
+            lines.append(f"- Distillation: `{json.dumps(distill, sort_keys=True, default=str)}`")
+    else:
+        lines.append("- none recorded")
+    ppl = rec.get("ppl") or {}
+    if ppl:
+        ev = rec.get("eval") or {}
+        lines += ["", "## Perplexity", "",
+                  f"Measured on {ev.get('source', 'the run eval text')}" + (f", {ev['seq_len']}-token windows"
+                                                                           if ev.get("seq_len") else "") + ".", "",
+                  "| model | perplexity |", "|---|---|"]
+        lines += [f"| {state} | {_num(value)} |" for state, value in ppl.items()]
+    lines += ["", "## Format", ""]
+    archs = ", ".join(cfg.get("architectures") or [])
+    if stock:
+        lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code: {STOCK_ENGINES}. Loads with plain "
+                     "transformers, without trust_remote_code or prunelight (prunelight's tests check such folders "
+                     "give the pruned model's logits).")
+    else:
+        lines.append(f"prunelight config type `{model_type}` (`{archs}`): {PRUNED_ENGINES}.")
+    lines += ["", "## How it was made", "", f"prunelight {prunelight.__version__}."]
+    if command:
+        lines += ["", "```", command, "```"]
+    if cal.get("settings"):
+        lines += ["", "`prune:` settings:", "", "```json", json.dumps(cal["settings"], indent=1, default=str), "```"]
+    lines += ["", "## License", "",
+              "The license and use policy of the base model apply; its LICENSE/NOTICE/USE_POLICY files are copied "
+              "here when the base model was a local folder that had them.", ""]
+    return "\n".join(lines)
