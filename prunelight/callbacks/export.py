@@ -114,8 +114,10 @@ class ExportCallback(L.Callback):
                         self.out_dir)
             record.notes.append("ZeRO-3 run: recovered model not evaluated in-run")
             return
-        if pl_module.plan is not None and pl_module.recovery == "none" and trainer.global_step == 0:
+        measured = "pruned" in record.ppl or "pruned" in record.evaluation  # not after a DeepSpeed hand-off
+        if pl_module.plan is not None and pl_module.recovery == "none" and trainer.global_step == 0 and measured:
             # nothing stepped after the cut: the final model is the pruned one, already measured
+            self.evaluator.same_as("recovered", "pruned", trainer, pl_module)
             record.notes.append("recovery: none; the final model is the pruned model (measured once)")
         elif pl_module.plan is not None:
             self.evaluator.measure("recovered", trainer, pl_module, folder=record.export_dir)

@@ -67,6 +67,18 @@ class RunEvaluator:
             return
         self._measure(state, trainer, pl_module, folder)
 
+    def same_as(self, state: str, source: str, trainer: Any, pl_module: Any) -> None:
+        """Record `state` as the measurement of `source` (the same weights: a prune-only run's final model)."""
+        record = pl_module.record
+        for table in (record.ppl, record.ppl_detail, record.evaluation):
+            if source in table:
+                table[state] = table[source]
+        if state in record.ppl:
+            log_metrics(trainer, {f"ppl/{state}": record.ppl[state]})
+        zs = ((record.evaluation.get(state) or {}).get("zeroshot") or {}).get("average") or {}
+        if zs.get("acc") is not None:
+            log_metrics(trainer, {f"zeroshot/{state}_acc": zs["acc"]})
+
     def _measure(self, state: str, trainer: Any, pl_module: Any, folder: str | None = None) -> None:
         record = pl_module.record
         dm = trainer.datamodule
