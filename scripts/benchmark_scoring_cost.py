@@ -209,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed passes after the measured one (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mmap-threshold", type=int, default=None,
+                   help="set MALLOC_MMAP_THRESHOLD_ (bytes) in the workers: glibc then returns every large freed "
+                        "block at once instead of raising its threshold and reusing heap, so peak RSS follows live "
+                        "tensors (131072 = glibc's initial value, fixed)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
@@ -242,7 +246,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, __file__, "--worker", name, "--worker-out", str(out), "--data-file", str(data_file),
                    "--repeats", str(args.repeats), "--device", args.device, "--threads", str(args.threads)]
             cmd += ["--tiny"] if args.tiny else ["--model", str(args.model)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if args.mmap_threshold is not None:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode == 0 and out.exists():
                 rows[name] = json.loads(out.read_text())
                 out.unlink()
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {os.cpu_count()} CPUs)",
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "floors": floors,
         "memory_note": "CUDA max allocated above the allocated at entry" if args.device.startswith("cuda")
-        else "peak RSS (VmHWM) of a fresh process minus its RSS with the model and batches loaded",
+        else "peak RSS (VmHWM) of a fresh process minus its RSS with the model and batches loaded"
+        + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
