@@ -147,9 +147,14 @@ class ActGradCriterion(Criterion):
             def on_grad(g: torch.Tensor) -> None:
                 # x = f1 * f2 (SwiGLU's down_proj input) is rebuilt from the factors autograd saves anyway, so
                 # the pass keeps no activation of its own: bitwise the same product, one layer at a time.
-                a = held[0] * held[1] if len(held) == 2 else held[0]
+                rebuilt = len(held) == 2
+                a = held[0] * held[1] if rebuilt else held[0]
                 held.clear()  # free as soon as used (the factors go with the Mul node right after)
-                self.stats[kind][layer] += self.reduce_products(a.float() * g.float(), units)
+                if rebuilt and a.dtype == torch.float32 and g.dtype == torch.float32:
+                    ag = a.mul_(g)  # our own fresh tensor: no second activation-sized temporary
+                else:
+                    ag = a.float() * g.float()
+                self.stats[kind][layer] += self.reduce_products(ag, units)
 
             x.register_hook(on_grad)
 
