@@ -67,3 +67,27 @@ def test_no_batch_activations_outlive_the_calibration_pass(criterion):
         assert live_activations() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("criterion", ["taylor", "fisher", "entropy"])
+def test_down_proj_input_rebuilt_from_saved_factors_gives_identical_scores(family, criterion, monkeypatch):
+    """The hook rebuilds SwiGLU's product from the Mul node's saved factors (no activation held): same bits."""
+    from prunelight.importance.base import ActGradCriterion
+
+    model = tiny_model(family)
+    used, factors = [], ActGradCriterion._factors
+
+    def spy(self, x):
+        out = factors(self, x)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ActGradCriterion, "_factors", spy)
+    got = run_calibration(model, _batches(), build_criterion(criterion))
+    assert sum(used) == model.config.num_hidden_layers * len(_batches())  # every down_proj input, no o_proj input
+    monkeypatch.setattr(ActGradCriterion, "_factors", lambda self, x: None)
+    ref = run_calibration(model, _batches(), build_criterion(criterion))
+    for kind in ref:
+        for a, b in zip(ref[kind], got[kind]):
+            assert torch.equal(a, b)

@@ -124,6 +124,9 @@ class ActGradCriterion(Criterion):
         """[batch, units] per-sample sums of a*g -> [units] contribution of this batch."""
 
     def _register(self, model: nn.Module, family: ModelFamily) -> None:
+        # Under gradient checkpointing saved tensors are packed by checkpoint's hooks: reading them in the
+        # forward would recompute, so the activation is held instead (see `_grad_hook`).
+        self._recompute = not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
         for i, mods in enumerate(family.input_modules(model)):
             # The inputs of o_proj / down_proj are the units' outputs, laid out unit after unit.
             for kind, key in (("attn", "o_in"), ("mlp", "down_in")):
@@ -136,17 +139,47 @@ class ActGradCriterion(Criterion):
             x = args[0]
             if not x.requires_grad:
                 return
-            # The closure holds a detached alias, never `x`: x's graph node owns this hook, so capturing x
-            # would form a cycle (node -> hook -> x -> node) that keeps every batch's activations alive
-            # until Python's cyclic GC happens to run (memory grew by one batch of activations per batch).
-            a = x.detach()
+            # The closure never holds `x`: x's graph node owns this hook, so capturing x would form a cycle
+            # (node -> hook -> x -> node) that keeps every batch's activations alive until Python's cyclic GC
+            # happens to run (memory grew by one batch of activations per batch).
+            held = self._factors(x) or [x.detach()]
 
             def on_grad(g: torch.Tensor) -> None:
-                self.stats[kind][layer] += self.reduce_products(a.float() * g.float(), units)
+                # x = f1 * f2 (SwiGLU's down_proj input) is rebuilt from the factors autograd saves anyway, so
+                # the pass keeps no activation of its own: bitwise the same product, one layer at a time.
+                rebuilt = len(held) == 2
+                a = held[0] * held[1] if rebuilt else held[0]
+                held.clear()  # free as soon as used (the factors go with the Mul node right after)
+                if rebuilt and a.dtype == torch.float32 and g.dtype == torch.float32:
+                    ag = a.mul_(g)  # our own fresh tensor: no second activation-sized temporary
+                else:
+                    ag = a.float() * g.float()
+                self.stats[kind][layer] += self.reduce_products(ag, units)
 
             x.register_hook(on_grad)
 
         return pre_hook
+
+    def _factors(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The two tensors an elementwise product `x` was made of, as its Mul node saved them; else None.
+
+        Holding `x` itself would keep one activation per layer alive from the forward to the backward (on
+        ref-llama-gqa at 8 x 128 tokens, 24 MiB of the frozen floor's ~280 MiB); the factors are saved by
+        autograd for the product's own backward whether or not a criterion is attached.
+        """
+        node = x.grad_fn
+        if not getattr(self, "_recompute", False) or type(node).__name__ != "MulBackward0":
+            return None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return None  # saved tensors are packed by someone's hooks: reading them now is not free
+        try:
+            f1, f2 = node._saved_self, node._saved_other
+        except (AttributeError, RuntimeError):
+            return None
+        if not (isinstance(f1, torch.Tensor) and isinstance(f2, torch.Tensor)) or f1.shape != x.shape \
+                or f2.shape != x.shape or f1.dtype != x.dtype or f2.dtype != x.dtype:
+            return None
+        return [f1, f2]
 
     def reduce_products(self, ag: torch.Tensor, units: int) -> torch.Tensor:
         """[batch, tokens, width] products a*g (a fresh fp32 tensor) -> [units] contribution of this batch.

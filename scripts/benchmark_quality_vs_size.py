@@ -1,0 +1,475 @@
+"""Quality vs size, side by side with a peer: WikiText-2 perplexity at 10-50% of parameters removed, no recovery.
+
+Every method sees the same calibration windows (WikiText-2 valid, 128 x 128 tokens, seed 0) and the same
+evaluation blocks (WikiText-2 test, 65,024 scored tokens), prepared once by
+`scripts/benchmark_methods.py::prepare_data`, and is scored by `prunelight.evaluation.perplexity`.
+
+prunelight methods (one process, scores computed once per criterion, a fresh copy cut per ratio):
+  default (flap + least_squares), the two best criteria of results/criteria.md with and without
+  reconstruction (flap, wanda_sp), and the baselines magnitude, random and depth (no reconstruction).
+Torch-Pruning (the peer), following its examples/LLMs/prune_llm.py (MetaPruner, per-projection `num_heads`,
+`prune_num_heads=True`, `prune_head_dims=False`, `round_to=4`, `global_pruning=False`), in three setups:
+  tp_l2_hidden   as shipped: L2 group magnitude, hidden size pruned too (only lm_head ignored);
+  tp_l2_heads    embeddings kept: embed_tokens, lm_head, o_proj and down_proj outputs ignored (heads + MLP);
+  tp_taylor      as tp_l2_heads with Taylor importance (gradients of the calibration loss).
+Its `pruning_ratio` (= `head_pruning_ratio`) knob is bisected until the fraction of all parameters removed is
+closest to the target; the actual fraction is reported. Each (setup, ratio) runs in a subprocess bounded by
+--peer-timeout; a timeout or an error is recorded with its message, and a setup that times out is not tried at
+higher ratios. The peer is imported from --torch-pruning-path (or an installed torch_pruning); without it
+the peer rows are skipped with a note.
+
+Outputs (under --out-dir, named after the model): <name>.json, <name>.md and <name>.png (log-scale
+perplexity vs % removed). Results are kept per method in the JSON, so a run can be resumed (--resume) or
+split (--methods / --peer-setups) and the table and figure are rebuilt from everything recorded.
+
+Reference runs (2 CPU cores; see README "Benchmarks"):
+    python scripts/benchmark_quality_vs_size.py --torch-pruning-path /tmp/h13/tp
+    python scripts/benchmark_quality_vs_size.py --model ../shared/models/ref-mistral-gqa --torch-pruning-path ...
+    python scripts/benchmark_quality_vs_size.py --tiny-family qwen2 --torch-pruning-path ...   # failure facts
+Quick check:
+    python scripts/benchmark_quality_vs_size.py --tiny-family llama --ratios 0.2 --out-dir /tmp/qvs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# label -> (criterion, preset or allocation, reconstruction)
+METHODS = {
+    "prunelight default (flap+least_squares)": ("flap", "global", "least_squares"),
+    "flap": ("flap", "global", "none"),
+    "wanda_sp": ("wanda_sp", "global", "none"),
+    "wanda_sp+least_squares": ("wanda_sp", "global", "least_squares"),
+    "magnitude": ("magnitude", "global", "none"),
+    "random": ("random", "global", "none"),
+    "depth (block influence, taylor fill)": ("taylor", "depth", "none"),
+}
+METHOD_KEYS = {"default": "prunelight default (flap+least_squares)", "flap": "flap", "wanda_sp": "wanda_sp",
+               "wanda_sp_ls": "wanda_sp+least_squares", "magnitude": "magnitude", "random": "random",
+               "depth": "depth (block influence, taylor fill)"}
+PEER_SETUPS = {
+    "tp_l2_hidden": "Torch-Pruning as shipped (L2 magnitude, hidden size pruned)",
+    "tp_l2_heads": "Torch-Pruning, embeddings kept (L2, heads + MLP)",
+    "tp_taylor": "Torch-Pruning, Taylor importance, embeddings kept",
+}
+DEFAULT_LABEL = METHOD_KEYS["default"]
+TINY_OVERRIDES = {  # the tiny families of prunelight.testing, made to show the peer's GQA cases
+    "qwen2": dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=192),  # 3:1, biases
+    "mistral": dict(hidden_size=64, intermediate_size=192),  # 2:1
+    "llama": dict(hidden_size=64, intermediate_size=192),
+}
+
+
+# --------------------------------------------------------------------------------------------- prunelight
+def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], on_row) -> None:
+    """Score once per criterion, then per ratio allocate, cut a fresh copy (and reconstruct), evaluate."""
+    from benchmark_methods import allocation_settings
+
+    from prunelight.allocation import allocate, precheck
+    from prunelight.calibration import run_calibration
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+    from prunelight.importance import build_criterion
+    from prunelight.layer_importance import layer_importances
+    from prunelight.reconstruct import cut_and_reconstruct
+
+    scores_of: dict[str, object] = {}
+    layer_of: dict[str, list[float]] = {}
+    total = sum(p.numel() for p in model.parameters())
+    for label in labels:
+        criterion, method, mode = METHODS[label]
+        for ratio in ratios:
+            row: dict = {"method": label, "kind": "prunelight", "target": ratio}
+            t0 = time.perf_counter()
+            try:
+                settings = allocation_settings(method, criterion, {}, ratio, {})
+                settings = dataclasses.replace(settings, reconstruct=mode)
+                if criterion not in scores_of:
+                    crit = build_criterion(criterion)
+                    scores_of[criterion] = run_calibration(model, calib if crit.needs_data else [], crit)
+                layer_scores = None
+                if method in ("layerwise", "depth"):
+                    name = settings.layer_importance
+                    if name not in layer_of:
+                        layer_of[name] = layer_importances(model, calib[: settings.importance_batches], [name])[name]
+                    layer_scores = layer_of[name]
+                plan = allocate(precheck(model, settings), scores_of[criterion], settings, layer_scores=layer_scores)
+                pruned = copy.deepcopy(model)
+                cut_and_reconstruct(pruned, plan, calib, settings)
+                after = sum(p.numel() for p in pruned.parameters())
+                ppl = evaluate_perplexity(pruned, evals)
+                row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=after,
+                           removed=1 - after / total, seconds=time.perf_counter() - t0)
+                del pruned
+            except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run
+                row["error"] = f"{type(err).__name__}: {err}"
+            on_row(row)
+
+
+# --------------------------------------------------------------------------------------------- the peer
+def import_torch_pruning(path: str | None):
+    """torch_pruning from `path` (put first on sys.path) or installed; None when absent."""
+    if path:
+        sys.path.insert(0, str(path))
+    try:
+        return importlib.import_module("torch_pruning")
+    except ImportError:
+        return None
+
+
+def _peer_prune(tp, model, setup: str, knob: float, example, grad_batches) -> None:
+    """Prune `model` in place the way examples/LLMs/prune_llm.py does, with `knob` as both pruning ratios."""
+    cfg = model.config
+    num_heads, ignored = {}, [model.lm_head]
+    for name, m in model.named_modules():
+        if name.endswith("self_attn"):
+            num_heads[m.q_proj] = cfg.num_attention_heads
+            num_heads[m.k_proj] = cfg.num_key_value_heads
+            num_heads[m.v_proj] = cfg.num_key_value_heads
+            if setup != "tp_l2_hidden":
+                ignored.append(m.o_proj)
+        if name.endswith("mlp") and setup != "tp_l2_hidden":
+            ignored.append(m.down_proj)
+    if setup != "tp_l2_hidden":
+        ignored.append(model.get_input_embeddings())
+    if setup == "tp_taylor":
+        importance = tp.importance.GroupTaylorImportance(group_reduction="mean")
+        model.zero_grad()
+        for ids in grad_batches:  # the same next-token loss the example's Taylor variant back-propagates
+            model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        importance = tp.importance.GroupMagnitudeImportance(p=2, group_reduction="mean")
+    pruner = tp.pruner.MetaPruner(
+        # use_cache=False: transformers 5 returns a DynamicCache that the tracer cannot walk (the one adaptation).
+        model, example_inputs={"input_ids": example, "use_cache": False}, importance=importance, global_pruning=False, pruning_ratio=knob,
+        ignored_layers=ignored, num_heads=num_heads, prune_num_heads=True, prune_head_dims=False,
+        head_pruning_ratio=knob, round_to=4,
+    )
+    for group in pruner.step(interactive=True):
+        group.prune()
+    model.zero_grad(set_to_none=True)
+    # The example's attribute updates after pruning (transformers 5 names).
+    cfg.hidden_size = model.lm_head.in_features
+    for name, m in model.named_modules():
+        if name.endswith("self_attn"):
+            q_heads = m.q_proj.out_features // m.head_dim
+            kv_heads = m.k_proj.out_features // m.head_dim
+            m.num_key_value_groups = q_heads // max(kv_heads, 1)
+            cfg.num_attention_heads, cfg.num_key_value_heads = q_heads, kv_heads
+        elif name.endswith("mlp"):
+            cfg.intermediate_size = m.gate_proj.out_features
+
+
+def run_peer_worker(args: argparse.Namespace) -> dict:
+    """One (setup, ratio): bisect the knob on parameter count, then evaluate the closest model."""
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+
+    tp = import_torch_pruning(args.torch_pruning_path)
+    data = torch.load(args.data_file)
+    calib = list(torch.split(data["calib"], args.batch_size))
+    evals = list(torch.split(data["eval"], args.eval_batch_size))
+    dense = _load(args.model)
+    total = sum(p.numel() for p in dense.parameters())
+    example = calib[0][:1]
+    tried, best, lo, hi = [], None, 0.0, 0.95
+    t0 = time.perf_counter()
+    for _ in range(args.peer_steps):
+        knob = (lo + hi) / 2
+        model = copy.deepcopy(dense)
+        _peer_prune(tp, model, args.peer_worker, knob, example, calib)
+        removed = 1 - sum(p.numel() for p in model.parameters()) / total
+        tried.append({"knob": knob, "removed": removed})
+        if best is None or abs(removed - args.ratio) < abs(best[1] - args.ratio):
+            best = (model, removed, knob)
+        if abs(removed - args.ratio) < 0.0025:
+            break
+        lo, hi = (knob, hi) if removed < args.ratio else (lo, knob)
+    model, removed, knob = best
+    prune_s = time.perf_counter() - t0
+    ppl = evaluate_perplexity(model.eval(), evals)
+    attn = model.model.layers[0].self_attn
+    return {"ppl": ppl["ppl"], "eval_tokens": ppl["tokens"], "removed": removed, "knob": knob, "tried": tried,
+            "params_after": sum(p.numel() for p in model.parameters()), "prune_s": prune_s,
+            "shape": {"hidden": model.config.hidden_size, "q_heads_layer0": attn.q_proj.out_features // attn.head_dim,
+                      "kv_heads_layer0": attn.k_proj.out_features // attn.head_dim,
+                      "intermediate_layer0": model.model.layers[0].mlp.gate_proj.out_features}}
+
+
+def run_peer(args, data_file: Path, setups: list[str], ratios: list[float], on_row) -> None:
+    """Each (setup, ratio) in a subprocess with a time limit; errors and timeouts are recorded."""
+    for setup in setups:
+        stopped = None
+        for ratio in ratios:
+            row: dict = {"method": PEER_SETUPS[setup], "kind": "peer", "setup": setup, "target": ratio}
+            if stopped:
+                row["error"] = stopped
+                on_row(row)
+                continue
+            with tempfile.TemporaryDirectory(prefix="prunelight-peer-") as tmp:
+                out = Path(tmp) / "out.json"
+                cmd = [sys.executable, __file__, "--peer-worker", setup, "--worker-out", str(out), "--data-file",
+                       str(data_file), "--model", str(args.model), "--ratio", str(ratio), "--threads", str(args.threads),
+                       "--batch-size", str(args.batch_size), "--eval-batch-size", str(args.eval_batch_size),
+                       "--peer-steps", str(args.peer_steps)]
+                if args.torch_pruning_path:
+                    cmd += ["--torch-pruning-path", str(args.torch_pruning_path)]
+                t0 = time.perf_counter()
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+                except subprocess.TimeoutExpired:
+                    row["error"] = f"timeout after {args.peer_timeout:.0f} s"
+                    stopped = f"not run: timed out at {ratio:.0%}"
+                else:
+                    if proc.returncode == 0 and out.exists():
+                        row.update(json.loads(out.read_text()))
+                    else:
+                        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+                        row["error"] = lines[-1] if lines else f"exit status {proc.returncode}"
+                row["seconds"] = time.perf_counter() - t0
+            on_row(row)
+
+
+# --------------------------------------------------------------------------------------------- output
+def _load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """A table: one row per method, one column per target ratio (perplexity, actual % removed)."""
+    ratios = meta["ratios"]
+    head = (f"`{meta['model_name']}` ({meta['params_total']:,} parameters, {meta['model_type']}); dense perplexity "
+            f"{meta['dense_ppl']:.1f}. Calibration {meta['calibration']}; perplexity on {meta['eval_tokens']:,} "
+            f"scored tokens of {meta['eval_name']}; no recovery. Cells: perplexity (actual % of all parameters "
+            f"removed). {meta['threads']} thread(s), torch {meta['torch']}, {meta['date']}.")
+    lines = [head, "", "| method | " + " | ".join(f"{r:.0%}" for r in ratios) + " |",
+             "|---|" + "---:|" * len(ratios)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for m in methods:
+        cells = []
+        for ratio in ratios:
+            row = next((r for r in rows if r["method"] == m and abs(r["target"] - ratio) < 1e-9), None)
+            if row is None:
+                cells.append("—")
+            elif "error" in row:
+                cells.append(f"fails: {row['error'][:90]}".replace("|", "/"))
+            else:
+                cells.append(f"{row['ppl']:,.1f} ({row['removed']:.1%})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ratio_line = ratio_to_peer(meta, rows)
+    if ratio_line:
+        lines += ["", ratio_line]
+    return "\n".join(lines) + "\n"
+
+
+def ratio_to_peer(meta: dict, rows: list[dict]) -> str:
+    """'default / best peer' perplexity at each ratio (the issue's target is <= 0.5)."""
+    parts = []
+    for ratio in meta["ratios"]:
+        at = [r for r in rows if abs(r["target"] - ratio) < 1e-9 and "ppl" in r]
+        ours = next((r["ppl"] for r in at if r["method"] == DEFAULT_LABEL), None)
+        peers = [r["ppl"] for r in at if r["kind"] == "peer"]
+        if ours is None:
+            continue
+        parts.append(f"{ratio:.0%}: {ours / min(peers):.2f}" if peers else f"{ratio:.0%}: no peer result")
+    return ("prunelight default / best Torch-Pruning setup, perplexity ratio (target <= 0.5): " + ", ".join(parts)
+            if parts else "")
+
+
+def figure(meta: dict, rows: list[dict], path: Path) -> None:
+    """Perplexity vs % removed, log y; the dense model as a dotted line; failed peer runs as crosses on the axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        ok = sorted((r["removed"] * 100, r["ppl"]) for r in rows if r["method"] == m and "ppl" in r)
+        peer = any(r["kind"] == "peer" for r in rows if r["method"] == m)
+        style = dict(ls="--", marker="s") if peer else dict(ls="-", marker="o")
+        if m == DEFAULT_LABEL:
+            style.update(lw=2.5, color="black")
+        if ok:
+            ax.plot(*zip(*ok), label=m, **style)
+        else:
+            ax.plot([], [], label=f"{m}: failed at every ratio", ls="none", marker="x")
+    ax.axhline(meta["dense_ppl"], color="grey", ls=":", label=f"dense ({meta['dense_ppl']:.1f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("% of parameters removed")
+    ax.set_ylabel("WikiText-2 perplexity (log)")
+    ax.set_title(f"{meta['model_name']}: quality vs size, no recovery")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _tiny_setup(family: str, folder: Path) -> tuple[str, str, str]:
+    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+    model = make_tiny_checkpoint(folder / f"tiny-{family}", family, **TINY_OVERRIDES[family])
+    corpus = write_tiny_corpus(folder / "corpus", lines=600)
+    return str(model), str(corpus["valid"]), str(corpus["test"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the quality-vs-size benchmark (or one peer worker of it)."""
+    from prunelight.atomic import atomic_write_json, atomic_write_text
+    from prunelight.testing import shared_dir
+
+    shared = shared_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
+    p.add_argument("--tiny-family", choices=sorted(TINY_OVERRIDES),
+                   help="use a tiny random model of this family and a tiny corpus (peer-failure facts, tests)")
+    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
+    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
+    p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
+    p.add_argument("--methods", default=",".join(METHOD_KEYS), help=f"prunelight rows: {', '.join(METHOD_KEYS)}")
+    p.add_argument("--peer-setups", default=",".join(PEER_SETUPS), help="comma-separated; '' for none")
+    p.add_argument("--torch-pruning-path", default=None, help="folder holding the torch_pruning package")
+    p.add_argument("--peer-timeout", type=float, default=180.0, help="seconds per peer (setup, ratio) subprocess")
+    p.add_argument("--peer-steps", type=int, default=10, help="bisection steps on the peer's ratio knob")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--eval-tokens", type=int, default=65536, help="test prefix in tokens (65,024 scored at 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--name", default=None, help="output file stem (default: quality_<model folder name>)")
+    p.add_argument("--resume", action="store_true", help="keep rows of methods already in the JSON")
+    p.add_argument("--merge", nargs="*", default=None,
+                   help="run nothing: add the rows of these JSON files to --name's JSON, rebuild table and figure")
+    p.add_argument("--ratio", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--peer-worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--data-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.peer_worker:
+        atomic_write_json(args.worker_out, run_peer_worker(args))
+        return
+
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    bad = [r for r in ratios if not 0 < r < 1]
+    labels = [k for k in args.methods.split(",") if k]
+    setups = [s for s in args.peer_setups.split(",") if s]
+    unknown = [k for k in labels if k not in METHOD_KEYS] + [s for s in setups if s not in PEER_SETUPS]
+    if bad or unknown:
+        p.error(f"ratios must be in (0, 1) (got {bad}); unknown methods/setups {unknown}; "
+                f"allowed: {', '.join(METHOD_KEYS)} / {', '.join(PEER_SETUPS)}")
+    labels = [METHOD_KEYS[k] for k in labels]
+    tiny_tmp = tempfile.TemporaryDirectory(prefix="prunelight-tiny-") if args.tiny_family else None
+    if tiny_tmp:
+        args.model, args.calibration, args.eval = _tiny_setup(args.tiny_family, Path(tiny_tmp.name))
+        if argv is None or "--samples" not in argv:
+            args.samples = 32
+        if argv is None or "--eval-tokens" not in argv:
+            args.eval_tokens = 4096
+    if not args.model or not args.calibration:
+        p.error("--model/--calibration/--eval are required when the shared reference data is not found "
+                "(set PRUNELIGHT_SHARED) or use --tiny-family")
+    tp = import_torch_pruning(args.torch_pruning_path) if setups else None
+    peer_note = None
+    if setups and tp is None:
+        peer_note = "Torch-Pruning not importable (pass --torch-pruning-path or install torch-pruning): peer skipped"
+        print(peer_note, flush=True)
+        setups = []
+    elif tp is not None:
+        peer_note = f"torch_pruning {getattr(tp, '__version__', '?')}"
+
+    name = args.name or ("quality_tiny_" + args.tiny_family if args.tiny_family else "quality_" + Path(args.model).name)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{name}.json"
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    if args.merge is not None:
+        merged = json.loads(json_path.read_text())
+        for other in args.merge:
+            extra = json.loads(Path(other).read_text())["rows"]
+            names = {r["method"] for r in extra}
+            merged["rows"] = [r for r in merged["rows"] if r["method"] not in names] + extra
+        _finish(merged["meta"], merged["rows"], ratios, out_dir, name)
+        return
+    from benchmark_methods import prepare_data
+
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+
+    with tempfile.TemporaryDirectory(prefix="prunelight-qvs-") as tmp:
+        data_file = Path(tmp) / "data.pt"
+        data_meta = prepare_data(args, data_file)
+        data = torch.load(data_file)
+        calib = list(torch.split(data["calib"], args.batch_size))
+        evals = list(torch.split(data["eval"], args.eval_batch_size))
+        model = _load(args.model)
+        dense = evaluate_perplexity(model, evals)
+        meta = {
+            "model": str(args.model) if not args.tiny_family else f"tiny {args.tiny_family} (random weights)",
+            "model_name": Path(args.model).name, "model_type": model.config.model_type,
+            "query_heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads,
+            "params_total": sum(p.numel() for p in model.parameters()), "dense_ppl": dense["ppl"],
+            "eval_tokens": dense["tokens"], "ratios": ratios,
+            "calibration": f"{data_meta['calibration_samples']} x {args.seq_len} tokens of "
+                           f"{Path(args.calibration).parent.name}/{Path(args.calibration).name} (seed {args.seed})",
+            "eval_name": f"{Path(args.eval).parent.name}/{Path(args.eval).name}",
+            "threads": args.threads, "torch": torch.__version__, "peer": peer_note,
+            "machine": f"{platform.machine()} {os.cpu_count()} CPU(s)", "date": time.strftime("%Y-%m-%d"),
+        }
+        keep = set(labels) | {PEER_SETUPS[s] for s in setups}
+        rows = [r for r in previous.get("rows", []) if r["method"] not in keep]
+
+        def on_row(row: dict) -> None:
+            rows.append(row)
+            shown = f"ppl {row['ppl']:.1f} at {row['removed']:.1%}" if "ppl" in row else row["error"]
+            print(f"{row['method']} @ {row['target']:.0%}: {shown}", flush=True)
+            atomic_write_json(json_path, {"meta": meta, "rows": rows})
+
+        run_prunelight(model, calib, evals, labels, ratios, on_row)
+        if setups:
+            run_peer(args, data_file, setups, ratios, on_row)
+    _finish(meta, rows, ratios, out_dir, name)
+    if tiny_tmp:
+        tiny_tmp.cleanup()
+
+
+def _finish(meta: dict, rows: list[dict], ratios: list[float], out_dir: Path, name: str) -> None:
+    """Sort the rows, write JSON, Markdown and the figure."""
+    from prunelight.atomic import atomic_write_json, atomic_write_text
+
+    order = [*METHODS, *PEER_SETUPS.values()]
+    rows.sort(key=lambda r: (order.index(r["method"]) if r["method"] in order else 99, r["target"]))
+    meta["ratios"] = sorted({r["target"] for r in rows} | set(ratios))
+    atomic_write_json(out_dir / f"{name}.json", {"meta": meta, "rows": rows})
+    table = markdown(meta, rows)
+    atomic_write_text(out_dir / f"{name}.md", table)
+    figure(meta, rows, out_dir / f"{name}.png")
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Scoring cost: peak memory and wall time of each criterion's importance pass, against its floor.
+
+For every criterion (and every floor and naive variant) a fresh subprocess loads the model and the
+calibration batches (--batches x --batch-size x --seq-len tokens of WikiText-2 valid), runs the pass once
+under `prunelight.evaluation.efficiency.PeakMemory` (CPU: VmHWM of the process, reset once the model is
+loaded; "+MiB" = peak minus the RSS before the pass; CUDA: max allocated above the allocated at entry), then
+--repeats more times for the wall time (median).
+
+Variants
+  <criterion>          the criterion as prunelight runs it (`run_calibration`).
+  naive:<criterion>    the same criterion and hooks, but every weight requires grad and its gradient is
+                       kept in .grad for the whole pass, as a training-style backward does.
+  floor:forward        a plain no-grad forward (floor of forward-only criteria: wanda, wanda_sp, flap).
+  floor:frozen         a plain forward + backward with the weights frozen, gradients flowing from the
+                       embeddings (floor of activation-gradient criteria: taylor, fisher, entropy).
+  floor:weights        a plain forward + backward with every weight requiring grad (floor of weight-gradient
+                       criteria); floor:weights_mb1 is the same one sample at a time, as those criteria run.
+Each criterion row gives its ratio to the matching floor (memory <= 1.2x, time <= 1.1x are the targets).
+
+    python scripts/benchmark_scoring_cost.py                  # all criteria, ref-llama-gqa, 8 x 128 tokens
+    python scripts/benchmark_scoring_cost.py --criteria taylor,fisher --repeats 5
+    python scripts/benchmark_scoring_cost.py --tiny          # seconds: a tiny random model, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = ("floor:forward", "floor:frozen", "floor:weights", "floor:weights_mb1")
+
+
+def matching_floor(name: str) -> str | None:
+    """The plain pass a criterion is compared with (None for weight-only criteria)."""
+    from prunelight.importance import build_criterion
+    from prunelight.testing import tiny_model
+
+    crit = build_criterion(name)
+    if not crit.needs_data:
+        return None
+    if not crit.needs_backward:
+        return "floor:forward"
+    if crit.grad_params(tiny_model("llama")):
+        return "floor:weights_mb1" if crit.micro_batch_size == 1 else "floor:weights"
+    return "floor:frozen"
+
+
+def _loss(model, ids):
+    from prunelight.calibration import calibration_loss
+
+    return calibration_loss(model(input_ids=ids, use_cache=False).logits, ids)
+
+
+def floor_pass(model, batches: list[torch.Tensor], kind: str) -> None:
+    """A plain pass over `batches`: no-grad forward, or forward + backward (frozen or trainable weights)."""
+    params = list(model.parameters())
+    if kind == "floor:forward":
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+        return
+    trainable = kind != "floor:frozen"
+    for p in params:
+        p.requires_grad_(trainable)
+    hook = None
+    if not trainable:  # gradients flow from the embeddings, as in prunelight's calibration pass
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
+    try:
+        for ids in batches:
+            for chunk in torch.split(ids, 1 if kind == "floor:weights_mb1" else len(ids)):
+                _loss(model, chunk).backward()
+    finally:
+        if hook:
+            hook.remove()
+        for p in params:
+            p.grad = None
+            p.requires_grad_(True)
+
+
+def criterion_pass(model, batches: list[torch.Tensor], name: str, naive: bool) -> None:
+    """The criterion's importance pass; `naive` makes every weight require grad and keep its gradient."""
+    from prunelight.calibration import run_calibration
+    from prunelight.importance import build_criterion
+
+    crit = build_criterion(name)
+    if naive:
+        own = crit.grad_params
+        crit.grad_params = lambda m: list(dict.fromkeys([*own(m), *m.parameters()]))  # all weights, kept grads
+    run_calibration(model, batches if crit.needs_data else [], crit)
+    for p in model.parameters():
+        p.grad = None
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    """Load, measure one pass's peak memory, then time --repeats passes (median)."""
+    from prunelight.evaluation.efficiency import PeakMemory
+
+    device = torch.device(args.device)
+    model = _load_model(args).to(device).eval()
+    batches = [b.to(device) for b in torch.load(args.data_file)]
+    name = args.worker
+    if name.startswith("floor:"):
+        run = lambda: floor_pass(model, batches, name)  # noqa: E731
+    else:
+        naive = name.startswith("naive:")
+        run = lambda: criterion_pass(model, batches, name.removeprefix("naive:"), naive)  # noqa: E731
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        run()
+        first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return {"name": name, "peak_mib": None if mem.peak is None else mem.peak / 2**20,
+            "extra_mib": None if mem.rise is None else mem.rise / 2**20, "memory_kind": mem.kind,
+            "first_s": first, "times_s": times, "median_s": statistics.median(times) if times else first}
+
+
+def _load_model(args):
+    from transformers import AutoModelForCausalLM
+
+    if args.tiny:
+        from prunelight.testing import tiny_model
+
+        return tiny_model("llama", hidden_size=64, intermediate_size=192)
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+
+
+def _batches(args) -> list[torch.Tensor]:
+    """--batches calibration batches: WikiText-2 valid windows (random ids with --tiny)."""
+    n = args.batches * args.batch_size
+    if args.tiny:
+        gen = torch.Generator().manual_seed(args.seed)
+        return list(torch.split(torch.randint(3, 128, (n, args.seq_len), generator=gen), args.batch_size))
+    from prunelight.data import PruneDataModule, TextSource
+
+    dm = PruneDataModule(calibration=TextSource(path=str(args.calibration)), eval=TextSource(path=str(args.eval)),
+                         tokenizer=str(args.model), num_samples=n, seq_len=args.seq_len,
+                         calibration_batch_size=args.batch_size, max_eval_blocks=1, seed=args.seed)
+    dm.setup()
+    return list(torch.split(dm.calib_blocks, args.batch_size))
+
+
+def markdown(meta: dict, rows: dict[str, dict]) -> str:
+    """One row per criterion: its cost, the naive variant's, and the ratios to the matching floor."""
+    f = lambda x, p=0: "—" if x is None else f"{x:,.{p}f}"  # noqa: E731
+    lines = [
+        f"Importance pass on `{meta['model_name']}`, {meta['batches']} batch(es) of {meta['batch_size']} x "
+        f"{meta['seq_len']} tokens; memory: {meta['memory_note']}; time: median of {meta['repeats']} repeats "
+        f"after one measured pass; {meta['threads']} thread(s), {meta['device']}, torch {meta['torch']}, "
+        f"{meta['date']}. Ratios are to the matching floor (targets: memory <= 1.2x, time <= 1.1x).",
+        "",
+        "| pass | +MiB | time (s) | floor | memory / floor | time / floor | naive +MiB | naive time (s) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for name in [n for n in FLOORS if n in rows]:
+        r = rows[name]
+        lines.append(f"| {name} | {f(r.get('extra_mib'))} | {f(r.get('median_s'), 2)} | | | | | |")
+    for name, r in rows.items():
+        if name.startswith(("floor:", "naive:")):
+            continue
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} | | | | | | |")
+            continue
+        floor = rows.get(meta["floors"].get(name) or "", {})
+        naive = rows.get(f"naive:{name}", {})
+        mem_ratio = (r["extra_mib"] / floor["extra_mib"]) if floor.get("extra_mib") and r.get("extra_mib") is not None else None
+        t_ratio = r["median_s"] / floor["median_s"] if floor.get("median_s") else None
+        lines.append(
+            f"| {name} | {f(r.get('extra_mib'))} | {f(r.get('median_s'), 2)} | {meta['floors'].get(name) or '—'} "
+            f"| {f(mem_ratio, 2)} | {f(t_ratio, 2)} | {f(naive.get('extra_mib'))} | {f(naive.get('median_s'), 2)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the scoring-cost benchmark (or one worker of it)."""
+    from prunelight.atomic import atomic_write_json, atomic_write_text
+    from prunelight.importance import CRITERIA
+    from prunelight.testing import shared_dir
+
+    shared = shared_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
+    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
+    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None,
+                   help="held-out text (only checked for overlap with the calibration windows)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama and random ids (seconds; for tests)")
+    p.add_argument("--criteria", default=",".join(CRITERIA))
+    p.add_argument("--no-naive", action="store_true", help="skip the naive (full weight gradient) variants")
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes after the measured one (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mmap-threshold", type=int, default=None,
+                   help="set MALLOC_MMAP_THRESHOLD_ (bytes) in the workers: glibc then returns every large freed "
+                        "block at once instead of raising its threshold and reusing heap, so peak RSS follows live "
+                        "tensors (131072 = glibc's initial value, fixed)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--name", default="scoring_cost")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--data-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        atomic_write_json(args.worker_out, run_worker(args))
+        return
+    if not args.tiny and not args.model:
+        p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED), or --tiny")
+    criteria = [c for c in args.criteria.split(",") if c]
+    unknown = [c for c in criteria if c not in CRITERIA]
+    if unknown:
+        p.error(f"unknown criteria {unknown}; available: {', '.join(CRITERIA)}")
+    floors = {c: matching_floor(c) for c in criteria}
+    names = [fl for fl in FLOORS if fl in floors.values()]
+    for c in criteria:
+        names.append(c)
+        if not args.no_naive and floors[c] not in (None, "floor:forward"):
+            names.append(f"naive:{c}")
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="prunelight-cost-") as tmp:
+        data_file = Path(tmp) / "batches.pt"
+        torch.save(_batches(args), data_file)
+        for name in names:
+            out = Path(tmp) / "out.json"
+            cmd = [sys.executable, __file__, "--worker", name, "--worker-out", str(out), "--data-file", str(data_file),
+                   "--repeats", str(args.repeats), "--device", args.device, "--threads", str(args.threads)]
+            cmd += ["--tiny"] if args.tiny else ["--model", str(args.model)]
+            env = dict(os.environ)
+            if args.mmap_threshold is not None:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode == 0 and out.exists():
+                rows[name] = json.loads(out.read_text())
+                out.unlink()
+            else:
+                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                rows[name] = {"name": name, "error": tail[-1] if tail else f"exit status {proc.returncode}"}
+            r = rows[name]
+            print(f"{name}: " + (r["error"] if "error" in r else f"+{r['extra_mib'] or 0:.0f} MiB, "
+                                 f"{r['median_s']:.3f} s"), flush=True)
+    meta = {
+        "model_name": "tiny llama (random)" if args.tiny else Path(args.model).name, "batches": args.batches,
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "threads": args.threads,
+        "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {os.cpu_count()} CPUs)",
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "floors": floors,
+        "memory_note": "CUDA max allocated above the allocated at entry" if args.device.startswith("cuda")
+        else "peak RSS (VmHWM) of a fresh process minus its RSS with the model and batches loaded"
+        + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""),
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(meta, rows)
+    atomic_write_json(out_dir / f"{args.name}.json", {"meta": meta, "rows": rows})
+    atomic_write_text(out_dir / f"{args.name}.md", table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
