@@ -11,6 +11,24 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _usual_mode(path: str | os.PathLike, directory: bool) -> None:
+    # mkstemp/mkdtemp create 0600/0700; the result should have the mode a plain open()/mkdir() would give.
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
     """Yield a file object on a temporary name beside `path`; on success it is fsynced and renamed over `path`.
@@ -25,6 +43,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        _usual_mode(tmp, directory=False)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -57,6 +76,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _usual_mode(tmp, directory=True)
     old = None
     if path.exists():
         old = path.with_name(f".{path.name}.old")
