@@ -227,7 +227,9 @@ def tiny_sweep_files(tmp_path_factory):
     base = tmp / "base.yaml"
     base.write_text(yaml.safe_dump({
         "model": {"pretrained": str(ckpt), "attn_implementation": "eager", "recovery": "none"},
+        # every text the run reads is local: a clone without ../shared must run this too
         "data": {"calibration": {"path": str(files["valid"])}, "eval": {"path": str(files["test"])},
+                 "train": {"path": str(files["train"])},
                  "seq_len": 16, "eval_seq_len": 16, "num_samples": 8},
         "trainer": {"limit_val_batches": 0, "enable_progress_bar": False},
         "export": {"model": False, "figures": False},
