@@ -145,6 +145,20 @@ def write_tiny_corpus(folder, lines: int = 400, seed: int = 0):
 LAYER_RATE_OPTIONS = ("rate_strategy", "alpha", "importance_scale", "freeze_top_n", "rate_range")
 
 
+def tiny_fit_args(ckpt, files: dict, *extra: str) -> list[str]:
+    """`prunelight fit` over configs/reference.yaml pointed at a tiny checkpoint and corpus (tests' CLI runs)."""
+    from pathlib import Path
+
+    reference = Path(__file__).resolve().parents[1] / "configs" / "reference.yaml"
+    return [
+        "fit", "--config", str(reference),
+        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
+        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
+        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
+        "--trainer.limit_val_batches=0", *extra,
+    ]
+
+
 def settings_of(ratio: float = 0.2, **options):
     """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`)."""
     from prunelight.settings import LayerRates, PruneSettings

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from prunelight.cli import cli_main
-from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, write_tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
@@ -81,14 +81,7 @@ def tiny_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("job")
     ckpt = make_tiny_checkpoint(tmp / "tiny", "llama")
     files = write_tiny_corpus(tmp / "data")
-    args = [
-        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.limit_val_batches=0",
-    ]
-    return tmp, ckpt, files, args
+    return tmp, ckpt, files, tiny_fit_args(ckpt, files)
 
 
 def test_fast_dev_run_smoke_cuts_the_model_and_spares_the_real_output(tiny_job, tmp_path, monkeypatch):

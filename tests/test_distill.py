@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -17,9 +16,8 @@ from prunelight.distill import DistillationSettings, logit_distillation
 from prunelight.module import PruneLM
 from prunelight.recovery import LoRASettings
 from prunelight.settings import PruneSettings, SettingsError
-from prunelight.testing import make_tiny_checkpoint, tiny_tokenizer, write_tiny_corpus
+from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, tiny_tokenizer, write_tiny_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _reference(s: torch.Tensor, t: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
@@ -147,17 +145,13 @@ def test_lora_distillation_run_via_the_cli_names_teacher_and_loss(tmp_path, monk
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
     files = write_tiny_corpus(tmp_path / "data")
     monkeypatch.chdir(tmp_path)
-    cli_main([
-        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.limit_val_batches=0", "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+    cli_main(tiny_fit_args(
+        ckpt, files, "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
         "--trainer.log_every_n_steps=1",
         "--model.distillation.alpha=0.7", "--model.distillation.loss=reverse_kl",
         "--model.distillation.temperature=2.0", "--model.distillation.chunk_tokens=5",
         "--export.out_dir=runs/d",
-    ])
+    ))
     report = json.loads((tmp_path / "runs" / "d" / "report.json").read_text())
     rec = report["recovery"]
     assert rec["mode"] == "lora" and rec["steps"] == 3

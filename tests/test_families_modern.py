@@ -30,7 +30,7 @@ from prunelight.importance import CRITERIA, build_criterion
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.recovery import LoRASettings, add_lora, merge_lora
 from prunelight.surgery import apply_plan, mask_units
-from prunelight.testing import VARIANTS, tiny_config, tiny_model
+from prunelight.testing import VARIANTS, tiny_config, tiny_fit_args, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = ["qwen3", "gemma2", "gemma3_text", "phi3", "llama_tied"]  # the variants this issue added
@@ -297,14 +297,10 @@ def test_fit_prunes_recovers_and_exports(variant, tmp_path, monkeypatch):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", family, **overrides)
     files = write_tiny_corpus(tmp_path / "data")
     monkeypatch.chdir(tmp_path)
-    cli_main([
-        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8", "--data.batch_size=4",
-        "--trainer.limit_val_batches=0", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+    cli_main(tiny_fit_args(
+        ckpt, files, "--data.batch_size=4", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
         "--prune.ratio=0.25", "--export.out_dir=runs/e2e",
-    ])
+    ))
     out = tmp_path / "runs" / "e2e"
     report = json.loads((out / "report.json").read_text())
     assert report["params_after"] < report["params_before"]

@@ -9,7 +9,7 @@ import pytest
 
 from prunelight.cli import cli_main
 from prunelight.model_card import model_card
-from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, write_tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,13 +49,7 @@ def tiny_job(tmp_path_factory):
     (ckpt / "LICENSE").write_text("tiny license\n")
     (ckpt / "USE_POLICY.md").write_text("be nice\n")
     files = write_tiny_corpus(tmp / "data")
-    args = [
-        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--model.recovery=none",
-    ]
+    args = tiny_fit_args(ckpt, files, "--trainer.enable_progress_bar=false", "--model.recovery=none")
     return tmp, args
 
 

@@ -27,7 +27,7 @@ from prunelight.saved import (
     write_plan,
 )
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_checkpoint, settings_of, tiny_model, write_tiny_corpus
+from prunelight.testing import make_tiny_checkpoint, settings_of, tiny_fit_args, tiny_model, write_tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,14 +199,8 @@ def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planio")
     ckpt = make_tiny_checkpoint(tmp / "tiny", "llama")
     files = write_tiny_corpus(tmp / "data")
-    args = [
-        "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
-        f"--model.pretrained={ckpt}", "--model.attn_implementation=eager",
-        f"--data.calibration.path={files['valid']}", f"--data.eval.path={files['test']}",
-        f"--data.train.path={files['train']}", "--data.seq_len=16", "--data.num_samples=8",
-        "--trainer.limit_val_batches=0", "--model.recovery=none", "--trainer.enable_progress_bar=false",
-        "--export.figures=false",
-    ]
+    args = tiny_fit_args(ckpt, files, "--model.recovery=none", "--trainer.enable_progress_bar=false",
+                         "--export.figures=false")
     return tmp, args
 
 

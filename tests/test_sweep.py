@@ -16,7 +16,8 @@ import yaml
 from prunelight.sweep.cache import ScoreCache, score_key
 from prunelight.sweep.command import sweep_main, write_outputs
 from prunelight.sweep.driver import Worker, run_sweep
-from prunelight.sweep.runner import TrialError, apply_point
+from prunelight.sweep.runner import TrialError
+from prunelight.sweep.space import apply_point
 from prunelight.sweep.settings import SweepSettings
 from prunelight.sweep.tables import all_tables, to_latex, to_markdown
 

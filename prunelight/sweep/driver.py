@@ -19,9 +19,9 @@ from typing import Any
 from prunelight.atomic import atomic_write_json
 from prunelight.errors import one_line
 from prunelight.sweep.cache import ScoreCache, runs_take_scores
-from prunelight.sweep.runner import Runner, TrialError, TrialSpec, apply_point, subprocess_runner
+from prunelight.sweep.runner import Runner, TrialError, TrialSpec, subprocess_runner
 from prunelight.sweep.settings import SweepSettings
-from prunelight.sweep.space import encode, grid_points, suggest
+from prunelight.sweep.space import apply_point, encode, grid_points, suggest
 from prunelight.sweep.store import Heartbeat, fail_stale, make_sampler, open_study, results_document
 
 log = logging.getLogger("prunelight")

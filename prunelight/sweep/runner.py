@@ -51,20 +51,6 @@ class TrialError(RuntimeError):
 Runner = Callable[[TrialSpec], dict]
 
 
-def apply_point(config: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of a resolved run config with the point's dotted keys set."""
-    out = json.loads(json.dumps(config, default=str))
-    for key, value in point.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                node[p] = {}
-            node = node[p]
-        node[leaf] = value
-    return out
-
-
 def final_state(report: dict) -> str:
     """The last model state a run measured: recovered, else pruned, else dense."""
     for state in ("recovered", "pruned", "dense"):

@@ -139,6 +139,20 @@ def check_keys(space: dict[str, Any], config: dict[str, Any], base: list[str]) -
             raise _bad("sweep.space", key, f"not a key of the run config {' + '.join(base)}{hint}")
 
 
+def apply_point(config: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a resolved run config with the point's dotted keys set."""
+    out = json.loads(json.dumps(config, default=str))
+    for key, value in point.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[leaf] = value
+    return out
+
+
 def check_values(space: dict[str, Any], config: dict[str, Any]) -> None:
     """Every listed `prune.*` value is checked by PruneSettings now, so a bad value fails before any trial runs."""
     from prunelight.settings import PruneSettings
@@ -148,14 +162,7 @@ def check_values(space: dict[str, Any], config: dict[str, Any]) -> None:
         if not key.startswith("prune.") or is_range(spec):
             continue
         for value in spec:
-            section = json.loads(json.dumps(prune))
-            node = section
-            *parents, leaf = key.split(".")[1:]
-            for p in parents:
-                if not isinstance(node.get(p), dict):
-                    node[p] = {}
-                node = node[p]
-            node[leaf] = value
+            section = apply_point(prune, {key.split(".", 1)[1]: value})
             try:
                 PruneSettings(**section)
             except (ValueError, TypeError) as err:
