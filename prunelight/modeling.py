@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from transformers import (
+    Cache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -44,9 +45,14 @@ from transformers import (
 class RemovedAttention(nn.Module):
     """Stands in for an attention sub-block removed by pruning: adds nothing to the residual.
 
-    It still appends a placeholder to its KV-cache slot, one tiny entry per token, so the cache's
-    sequence length stays right: transformers reads it from layer 0 (the first full-attention layer) to
-    place new tokens (positions, cache_position) and to size the attention mask of every layer.
+    It still appends a placeholder to its KV-cache slot, one tiny entry per token, so every slot of the
+    cache reports the true sequence length: transformers reads it from one layer (layer 0, or the first
+    full-attention layer, depending on the release) to place new tokens (positions, cache_position) and to
+    size the attention mask of every layer, and no slot here can mislead it, whichever it asks.
+
+    The cache is found by its type, not by its keyword: transformers 5.24 renamed the decoder layer's
+    `past_key_values=` argument to `cache=` (a removed attention that read the old name silently stopped
+    filling its slot, and layer 0's then read as empty). Any future name, or a positional pass, still works.
     """
 
     def __init__(self, layer_idx: int | None = None) -> None:
@@ -54,8 +60,8 @@ class RemovedAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        if cache is not None and self.layer_idx is not None and hasattr(cache, "update"):
+        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+        if cache is not None and self.layer_idx is not None:
             b, t = hidden_states.shape[:2]
             # One head of width 1 per token: a zero-size tensor would read as an empty cache (DynamicLayer's
             # get_seq_length returns 0 when keys.numel() == 0), and the batch dimension keeps beam search and

@@ -71,6 +71,19 @@ def test_cached_generation_matches_uncached(family, no_attention):
     _check_generation(_pruned(family, no_attention))
 
 
+@pytest.mark.parametrize("no_attention", [0, 1], ids=["layer0", "middle"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_cache_slot_reports_the_sequence_length(family, no_attention):
+    """Whichever layer transformers reads the cache length from, it reads the true one (removed attention too)."""
+    model = _pruned(family, no_attention)
+    ids, mask = _batch()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    assert lengths == [ids.shape[1]] * LAYERS, f"cache length per layer {lengths}, removed attention at {no_attention}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_generation_after_export(family, tmp_path):
     model = _pruned(family, 0)
