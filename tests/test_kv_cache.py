@@ -104,3 +104,14 @@ def test_placeholder_counts_tokens():
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert [cache.get_seq_length(i) for i in range(LAYERS)] == [ids.shape[1]] * LAYERS
+
+
+@pytest.mark.parametrize("how", ["past_key_values", "cache", "a_future_name", "positional"])
+def test_removed_attention_finds_the_cache_however_it_is_passed(how):
+    """The slot is filled whatever the library calls the argument (5.24 renamed it): the cache is found by type."""
+    cache = DynamicCache()
+    hidden = torch.randn(2, 5, 8)
+    attn = RemovedAttention(layer_idx=0)
+    out, _ = attn(hidden, None, cache) if how == "positional" else attn(hidden, None, **{how: cache})
+    assert torch.equal(out, torch.zeros_like(hidden))
+    assert cache.get_seq_length(0) == 5
