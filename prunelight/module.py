@@ -12,13 +12,13 @@ import lightning as L
 import torch
 from torch import nn
 
+from prunelight.cut_state import CutState
 from prunelight.distill import DistillationSettings, describe_teacher, hidden_mse, logit_distillation
 from prunelight.families import get_family, unwrap
 from prunelight.errors import check_local_path, hub_download
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
-from prunelight.settings import PruneSettings
 from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
 from prunelight.zero3 import hf_zero3_loading
@@ -69,10 +69,7 @@ class PruneLM(L.LightningModule):
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
         self.model: nn.Module | None = None
         self.tokenizer = None
-        self.plan: PrunePlan | None = None
-        self.reconstructed = False  # True once prune.reconstruct changed the cut weights (not `pretrained` + plan)
-        self.pretrained_is_pruned = False  # True when `pretrained` already holds the cut weights (DeepSpeed hand-off)
-        self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
+        self.cut_state = CutState()  # whether the model is cut: the one owner of that fact
         self.lora_active = False
         self.distillation = distillation
         self.dense_pretrained = pretrained  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
@@ -100,18 +97,6 @@ class PruneLM(L.LightningModule):
         get_family(config)
         return config
 
-    def check_settings(self, settings: PruneSettings, config) -> None:
-        """Pruning settings that the model's widths cannot satisfy, refused before weights load."""
-        family = get_family(config)
-        shape = family.base_shape(config)
-        for option, keep, have, what in (
-            ("prune.min_groups", settings.min_groups, shape.num_key_value_heads, "KV groups"),
-            ("prune.min_channels", settings.min_channels, shape.intermediate_size, "MLP channels"),
-        ):
-            if keep > have:
-                raise ValueError(f"{option}={keep} is not allowed: the model's layers have {have} {what}; "
-                                 f"use at most {have}")
-
     def configure_model(self) -> None:
         """Load the model (once); called by the Trainer under the strategy's init context."""
         if self.model is not None:
@@ -134,7 +119,7 @@ class PruneLM(L.LightningModule):
             model.config.use_cache = False
         model.train()  # from_pretrained returns eval mode; recovery must train with dropout active
         self.model = model
-        if self.pretrained_is_pruned:
+        if self.cut_state.pretrained_is_cut:
             self.start_recovery()  # the cut already happened; the optimizer must see the recovery parameters
         self.record.times_s["load"] = time.perf_counter() - t0
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -161,23 +146,22 @@ class PruneLM(L.LightningModule):
         return getattr(self.base_model.config, "max_position_embeddings", None)
 
     # --- pruning and recovery -----------------------------------------------------------------
+    @property
+    def plan(self) -> PrunePlan | None:
+        """The plan this process's model is cut to (None: dense)."""
+        return self.cut_state.plan
+
+    @property
+    def pretrained_is_pruned(self) -> bool:
+        """Whether `pretrained` already holds the cut weights (recovery after the DeepSpeed hand-off)."""
+        return self.cut_state.pretrained_is_cut
+
     def apply_plan(self, plan: PrunePlan) -> None:
         """Cut the model to `plan` and remember it (checkpoints re-apply it on load)."""
         if self.plan is not None:
             raise RuntimeError("the model is already pruned; a second plan would use stale indices")
         apply_plan(self.base_model, plan)
-        self.plan = plan
-
-    def apply_plan_reconstructed(self, plan: PrunePlan, batches, settings: PruneSettings, reduce_sum=None) -> dict:
-        """Cut the model to `plan` and repair it on calibration `batches` (prune.reconstruct); returns its figures."""
-        from prunelight.reconstruct import cut_and_reconstruct
-
-        if self.plan is not None:
-            raise RuntimeError("the model is already pruned; a second plan would use stale indices")
-        figures = cut_and_reconstruct(self.base_model, plan, batches, settings, reduce_sum)
-        self.plan = plan
-        self.reconstructed = settings.reconstruct != "none"
-        return figures
+        self.cut_state.mark_cut(plan)
 
     def start_recovery(self) -> None:
         """Prepare the cut model for recovery: LoRA adapters, full fine-tuning, or nothing to train."""
@@ -321,17 +305,16 @@ class PruneLM(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def adopt_pruned(self, plan: dict, record: RunRecord, dense: str | None = None) -> None:
+    def adopt_pruned(self, plan: PrunePlan | dict, record: RunRecord, dense: str | None = None) -> None:
         """Mark `pretrained` as the already-cut model of `plan` (recovery continuing in a fresh engine).
 
         `dense`: the original model, still the distillation teacher's source.
         """
         if self.model is not None:
             raise RuntimeError("adopt_pruned must be called before the model is loaded")
-        self.plan = PrunePlan.from_dict(plan)
+        self.cut_state = CutState.continuing(plan if isinstance(plan, PrunePlan) else PrunePlan.from_dict(plan))
         if dense is not None:
             self.dense_pretrained = dense
-        self.pretrained_is_pruned = True
         self.record = record
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -341,8 +324,9 @@ class PruneLM(L.LightningModule):
         Not after reconstruction: the refitted weights and added biases exist only in this process.
         """
         cal = self.record.calibration
-        cut_before_training = self.pretrained_is_pruned or (cal is not None and cal.prune_step == 0)
-        return self.lora_active and self.model_config is None and cut_before_training and not self.reconstructed
+        cut_before_training = self.cut_state.pretrained_is_cut or (cal is not None and cal.prune_step == 0)
+        return (self.lora_active and self.model_config is None and cut_before_training
+                and not self.cut_state.reconstructed)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         weights = "all"
@@ -353,11 +337,11 @@ class PruneLM(L.LightningModule):
             weights = "trainable"
         checkpoint[CKPT_KEY] = {
             "plan": self.plan.to_dict() if self.plan else None,
-            "pretrained_is_pruned": self.pretrained_is_pruned,
+            "pretrained_is_pruned": self.cut_state.pretrained_is_cut,
             "lora": self.lora.as_dict() if self.lora_active else None,
             "weights": weights,
             "report": self.record.to_dict(),
-            "reconstructed": self.reconstructed,
+            "reconstructed": self.cut_state.reconstructed,
             "output_bias": bool(getattr(self.base_model.config, "output_bias", False)),
             "dense_pretrained": self.dense_pretrained,
             "rng": _rng_states(),
@@ -369,14 +353,13 @@ class PruneLM(L.LightningModule):
         self.dense_pretrained = state.get("dense_pretrained", self.dense_pretrained)
         self._rng_to_restore = state.get("rng")  # applied at the first training step, after all setup draws
         if state.get("pretrained_is_pruned") and self.model is None:
-            self.plan = PrunePlan.from_dict(state["plan"])
-            self.pretrained_is_pruned = True
+            self.cut_state = CutState.continuing(PrunePlan.from_dict(state["plan"]))
         self.configure_model()
         if state.get("plan") and self.plan is None:
             self.apply_plan(PrunePlan.from_dict(state["plan"]))
         if state.get("output_bias") and not getattr(self.base_model.config, "output_bias", False):
             get_family(self.base_model).add_output_biases(self.base_model)  # reconstruction's biases, before LoRA wraps
-        self.reconstructed = bool(state.get("reconstructed", False))
+        self.cut_state.reconstructed = bool(state.get("reconstructed", False))
         if state.get("lora") and not self.lora_active:
             self.lora = LoRASettings(**state["lora"])
             self.recovery = "lora"

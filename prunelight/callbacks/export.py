@@ -19,6 +19,7 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_config, export_pretrained
 from prunelight.families import get_family
 from prunelight.model_card import model_card
+from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.record import RecoveryRecord
 from prunelight.report import write_report
 from prunelight.settings import ExportSettings
@@ -26,7 +27,6 @@ from prunelight.zero3 import gathered_merged_copy
 
 log = logging.getLogger(__name__)
 
-FAST_DEV_RUN_DIR = "fast_dev_run"  # smoke tests write here, inside out_dir, never over a real run's results
 
 
 class ExportCallback(L.Callback):
@@ -140,14 +140,4 @@ def _command_line() -> str | None:
     return shlex.join(["prunelight", *sys.argv[1:]]) if ours else None
 
 
-def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=None) -> list[L.Callback]:
-    """The pruning job's two callbacks sharing one evaluator (what `prunelight fit` adds to the Trainer)."""
-    from prunelight.callbacks.pruning import PruningCallback
-
-    evaluator = RunEvaluator(evaluation)
-    export = export or ExportSettings()
-    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, uniform_shape=export.uniform_shape),
-            ExportCallback(export, evaluator)]
-
-
-__all__ = ["ExportCallback", "job_callbacks"]
+__all__ = ["ExportCallback"]
