@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from prunelight.checkpoint_state import frozen_weights_reproducible
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
@@ -194,7 +195,7 @@ def test_checkpoint_keeps_reconstructed_weights():
     lm.cut_state.mark_cut(plan, reconstructed=True)
     assert figures["method"] == "bias" and lm.cut_state.reconstructed
     lm.lora_active, lm.model_config, lm.cut_state.pretrained_is_cut = True, None, True
-    assert not lm._frozen_weights_reproducible(), "reconstructed weights are not pretrained + plan"
+    assert not frozen_weights_reproducible(lm), "reconstructed weights are not pretrained + plan"
     lm.lora_active, lm.model_config, lm.cut_state.pretrained_is_cut = False, cfg, False
     ckpt = {"state_dict": lm.state_dict()}
     lm.on_save_checkpoint(ckpt)
