@@ -1,9 +1,9 @@
 """The run's settings, one typed owner each: `prune:`, `evaluation:` and `export:` sections of the CLI and YAML.
 
-Every option and its default is written once, here. Values are checked once, in `__post_init__`, so a
+Every option and its default is written once, here. Each value is checked in `__post_init__`, so a
 bad value fails before any model or data is loaded, with one line naming the option, the value and
-what is allowed. Checks that need the model's sizes (e.g. more units asked than exist) are in
-`allocation.precheck`, run once per plan.
+what is allowed. Checks against the model's config, the run and the export's shape constraint are
+`checks.check_run`'s (also before any weights or data load).
 """
 
 from __future__ import annotations
