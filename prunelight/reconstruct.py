@@ -377,7 +377,6 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
                                                                                streams["dense"], streams["pruned"])
 
             apply_plan(base, plan, cut_layer, desc=f"reconstruction ({method})")
-            del calls, streams
     finally:
         base.train(was_training)
     if method == "bias":

@@ -28,7 +28,7 @@ ALLOCATIONS = tuple(ALLOCATION_ROWS)  # the registry's rows at import (allocatio
 RATE_STRATEGIES = ("inverse", "proportional", "uniform")
 IMPORTANCE_SCALES = ("minmax", "rank")
 BLOCK_IMPORTANCE = ("units", "removal")
-EXPORT_FORMATS = tuple(EXPORT_SHAPES)  # export.py writes the folder; each format's shape constraint: allocation/shapes.py
+EXPORT_FORMATS = tuple(EXPORT_SHAPES)  # export.py writes the folder; allocation/shapes.py: each one's shape constraint
 
 CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
 AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
@@ -196,7 +196,8 @@ class PruneSettings:
                            "use 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), 'auto', or null") from None
             if not row.splits:
                 raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
-                           f"a split applies to allocation {' or '.join(names_with('splits'))}, not {self.allocation!r}")
+                           f"a split applies to allocation {' or '.join(names_with('splits'))}, "
+                           f"not {self.allocation!r}")
         for name in ("prune_step", "min_groups", "min_channels"):
             _integer(f"prune.{name}", getattr(self, name), 0)
         _integer("prune.align_channels", self.align_channels, 1)
@@ -233,7 +234,8 @@ class PruneSettings:
             if name == "target_kv_cache" and self.allocation in ALLOCATION_ROWS \
                     and not ALLOCATION_ROWS[self.allocation].kv_target:
                 raise _bad(f"prune.{name}", getattr(self, name),
-                           f"a KV-cache target removes GQA groups only, with allocation {' or '.join(names_with('kv_target'))}, "
+                           "a KV-cache target removes GQA groups only, with allocation "
+                           f"{' or '.join(names_with('kv_target'))}, "
                            f"not {self.allocation!r}")
             if name == "target_kv_cache" and self.attn_mlp_split is not None:
                 raise _bad(f"prune.{name}", getattr(self, name),

@@ -25,8 +25,8 @@ def module_name(path: Path, root: Path) -> str:
 def imports(tree: ast.Module, name: str, is_pkg: bool, top_level: bool) -> set[str]:
     """prunelight modules imported at module level (top_level) or inside functions (not top_level)."""
     out: set[str] = set()
-    nodes = tree.body if top_level else [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                                         for n in ast.walk(f)]
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    nodes = tree.body if top_level else [n for f in ast.walk(tree) if isinstance(f, funcs) for n in ast.walk(f)]
     if top_level:  # module level includes imports under if/try at the top, not under TYPE_CHECKING
         nodes = [n for stmt in tree.body if not (isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test))
                  for n in ast.walk(stmt) if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
@@ -101,9 +101,7 @@ def main(root: Path) -> None:
         targets = imports(tree, name, is_pkg, top_level=True)
         graph[name] = {t for t in targets if t in names and t != name}
         local_imports += sum(1 for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))
-                             and (isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("prunelight"))
-                                  or isinstance(n, ast.Import) and any(a.name.startswith("prunelight") for a in n.names)))
+                             for n in ast.walk(f) if _own_import(n))
     # Function-level imports close circles at run time: count the circles with them too.
     full = {k: set(v) for k, v in graph.items()}
     for name, path in names.items():
@@ -121,6 +119,13 @@ def main(root: Path) -> None:
           f"{len({f for f, _ in refusals})} functions  {sorted({f for f, _ in refusals})}")
 
 
+def _own_import(n: ast.AST) -> bool:
+    """An import of a prunelight module (absolute or relative)."""
+    if isinstance(n, ast.ImportFrom):
+        return bool(n.level) or (n.module or "").startswith("prunelight")
+    return isinstance(n, ast.Import) and any(a.name.startswith("prunelight") for a in n.names)
+
+
 RATIO = re.compile(r"\bratio\b|budget|\basked\b", re.IGNORECASE)
 
 
@@ -134,7 +139,8 @@ def ratio_refusals(names: dict[str, Path]) -> list[tuple[str, int]]:
             if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for n in ast.walk(f):
-                if isinstance(n, ast.Raise) and n.exc is not None and RATIO.search(ast.get_source_segment(src, n.exc) or ""):
+                text = ast.get_source_segment(src, n.exc) or "" if isinstance(n, ast.Raise) and n.exc else ""
+                if RATIO.search(text):
                     out.append((f"{name}.{f.name}", n.lineno))
     return sorted(set(out))
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from prunelight.allocation.base import Allocation, Shape
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
-from prunelight.allocation.stock import uniform_shape
+from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import allocate_blockwise, allocate_depth, allocate_depth_uniform
 from prunelight.allocation.width import allocate_global, allocate_uniform, check_removable, check_uniform
 
 ROWS = (
-    Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: uniform_shape}, splits=True, kv_target=True,
-               precheck=check_removable),
-    Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: uniform_shape}, kv_target=True,
+    Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: allocate_uniform_shape}, splits=True,
+               kv_target=True, precheck=check_removable),
+    Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: allocate_uniform_shape}, kv_target=True,
                precheck=check_uniform),
     Allocation("layerwise", {Shape.FREE: allocate_layerwise}, layer_importance=True, splits=True,
                precheck=check_layerwise),

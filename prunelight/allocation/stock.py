@@ -46,7 +46,7 @@ def check_uniform_sizes(budget: Budget, settings, shape: Shape) -> None:
     candidates(zeros, budget, settings.align_channels)
 
 
-def uniform_shape(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
+def allocate_uniform_shape(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
     """The uniform-shape removal of the layers not in `drop`, chosen by the split setting (or `groups_removed`)."""
     s = inp.settings
     removed, report = stock_width(inp.scores, inp.budget, s.align_channels, drop, inp.attn_share, inp.groups_removed)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from prunelight.allocation.base import AllocationInputs, Removal
 from prunelight.allocation.budget import Budget, Removed, empty_removed
-from prunelight.allocation.stock import uniform_shape
+from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.width import global_width
 from prunelight.importance.base import UnitScores
 
@@ -112,4 +112,4 @@ def allocate_depth_uniform(inp: AllocationInputs) -> Removal:
     removed, drop = depth(inp.scores, inp.budget, inp.layer_scores, inp.settings.fill_width)
     if not inp.settings.fill_width:
         return Removal(removed, drop, extra={"uniform_shape": True}, exact=True)
-    return uniform_shape(inp, drop)
+    return allocate_uniform_shape(inp, drop)
