@@ -1,8 +1,8 @@
 """The Python API for notebooks: `prune(model, settings, calibration)` and `apply_plan(model, plan_or_path)`.
 
-Both go through the run's own path: `pipeline.make_plan` (score and allocate), `reconstruct.cut_and_reconstruct`
-(the cut, with the repair when `settings.reconstruct` asks for one) and `surgery.apply_plan`; nothing is cut
-any other way. `import prunelight` stays cheap: the package reaches this module on first use.
+`prune` is the run's own cut (`checks.check_run`, then `cut.run_cut`: saved plan or scores, scoring,
+allocation, reconstruction and surgery); `apply_plan` is `surgery.apply_plan` behind the saved plan's fit
+check; nothing is cut any other way. `import prunelight` stays cheap: the package reaches this module on first use.
 """
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelight.allocation import Shape
+from prunelight.checks import RunFacts, check_run
+from prunelight.cut import run_cut
+from prunelight.families import unwrap
+from prunelight.pipeline import load_plan_checked
 from prunelight.plan import PrunePlan
+from prunelight.saved import check_plan_fits, model_facts
 from prunelight.settings import PruneSettings
+from prunelight.surgery import apply_plan as cut
 
 CALIBRATION_BATCH = 8  # rows per batch when the calibration is one [samples, seq_len] tensor
 
@@ -55,38 +62,14 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     data-driven criteria and by `reconstruct` other than none). `settings.plan` applies a saved plan and
     `settings.scores` re-allocates from saved scores, as on the command line.
     """
-    from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
-    from prunelight.reconstruct import cut_and_reconstruct
-    from prunelight.saved import RUN_KEY_PARTS, check_key, load_scores, scores_key
-
     s = as_settings(settings)
     batches = as_batches(calibration)
-    if s.reconstruct != "none" and not batches:
-        raise ValueError(f"prune.reconstruct={s.reconstruct!r} needs calibration batches; pass calibration= "
-                         "or set reconstruct='none'")
-    if s.plan:
-        plan, _ = adopt_plan(model, load_plan_checked(model, s.plan), s.plan)
-    else:
-        from prunelight.importance import build_criterion
-
-        if not s.scores and build_criterion(s.criterion, **s.criterion_args).needs_data and not batches:
-            raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
-                             "(token ids) or use a weight-only criterion such as magnitude")
-        saved = None
-        if s.scores:  # the same refusal as a run: scores from another model, dtype, weights or criterion
-            saved = load_scores(s.scores)
-            check_key(saved.key, scores_key(model, s, {}), s.scores, parts=RUN_KEY_PARTS)
-        plan, _ = make_plan(model, batches, s, saved=saved)
-    cut_and_reconstruct(model, plan, batches, s)
-    return model, plan
+    check_run(s, Shape.FREE, unwrap(model).config, RunFacts(has_calibration=bool(batches)))
+    return model, run_cut(model, batches, s).plan
 
 
 def apply_plan(model: nn.Module, plan_or_path: PrunePlan | dict | str | os.PathLike) -> nn.Module:
     """Cut `model` in place to a plan: a PrunePlan, its dict, or a saved plan.json / report.json / .ckpt."""
-    from prunelight.pipeline import load_plan_checked
-    from prunelight.saved import check_plan_fits, model_facts
-    from prunelight.surgery import apply_plan as cut
-
     if isinstance(plan_or_path, (str, os.PathLike)):
         plan = load_plan_checked(model, str(plan_or_path))
     else:

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from prunelight import _env
 from prunelight.callbacks import ExportCallback, PruningCallback
+from prunelight.callbacks.pruning import run_facts
 from prunelight.checkpoint_io import AtomicCheckpointIO
 from prunelight.console import setup_logging
 from prunelight.data import PruneDataModule
@@ -22,7 +23,7 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
-from prunelight.saved import check_saved_inputs
+from prunelight.checks import check_run
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
 
 log = logging.getLogger("prunelight")
@@ -50,10 +51,9 @@ class PrunelightCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         evaluator = RunEvaluator(self._get(self.config_init, "evaluation"))
         export = self._get(self.config_init, "export")
-        uniform = getattr(export, "uniform_shape", False)  # export.format: stock constrains the cut
         self.job_callbacks = [
             PruningCallback(self._get(self.config_init, "prune"), evaluator, out_dir=export.out_dir,
-                            uniform_shape=uniform),
+                            shape=export.shape),  # export.format constrains the cut's layer shapes
             ExportCallback(export, evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -76,22 +76,22 @@ class PrunelightCLI(LightningCLI):
         config = self.model.check_pretrained()
         self.datamodule.check_sources()
         self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
-        self.model.check_settings(self._get(self.config_init, "prune"), config)
-        check_saved_inputs(self._get(self.config_init, "prune"), config)  # prune.plan / prune.scores fit the model
+        check_run(self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
+                  run_facts(self.trainer, self.model))
 
     def after_fit(self) -> None:
-        handoff = getattr(self.model, "handoff", None)
-        if not handoff:
+        handoff = self.model.cut_state.handoff
+        if handoff is None:
             return
-        log.info("continuing recovery from %s in a fresh %s", handoff["pretrained"],
+        log.info("continuing recovery from %s in a fresh %s", handoff.folder,
                  type(self.trainer.strategy).__name__)
         # Same YAML, with the written pruned folder as the pretrained model; a new strategy object,
         # since the old one holds the engine (and optimizer state) of the uncut model.
         config = copy.deepcopy(self.config[self.subcommand])
-        config.model.pretrained = handoff["pretrained"]
+        config.model.pretrained = handoff.folder
         fresh = self._parser(self.subcommand).instantiate_classes(config)
         model = fresh.model
-        model.adopt_pruned(handoff["plan"], record=self.model.record, dense=self.model.dense_pretrained)
+        model.adopt_pruned(handoff.plan, record=self.model.record, dense=self.model.dense_pretrained)
         # The same callback objects carry on (PruningCallback is marked done); the config saver ran already.
         callbacks = [cb for cb in self.trainer.callbacks if not isinstance(cb, SaveConfigCallback)]
         self.model = model

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, allocate, make_budget, precheck
+from prunelight import zero3
+from prunelight.allocation import Budget, Shape, allocate, allocation_of, make_budget, precheck
 from prunelight.allocation.budget import plan_meta, plan_params_removed
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
@@ -38,7 +39,7 @@ def make_plan(
     sharded: bool = False,
     budget: Budget | None = None,
     saved: SavedScores | None = None,
-    uniform_shape: bool = False,
+    shape: Shape = Shape.FREE,
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
@@ -47,35 +48,33 @@ def make_plan(
     weightless twin, and options that run extra forwards on masked weights are refused. A `budget`
     already made by `allocation.precheck` for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
-    importance measures: nothing is run on `batches`. `uniform_shape` (export.format: stock) keeps one
-    layer shape; with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL.
+    importance measures: nothing is run on `batches`. `shape` is the layer-shape constraint (export.format);
+    under `Shape.UNIFORM` with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL.
     """
-    from prunelight import zero3
-
     if sharded:
         _refuse_on_partitioned(settings)
     if budget is None:
-        budget = precheck(zero3.shape_twin(model) if sharded else model, settings, uniform_shape)
+        budget = precheck(zero3.shape_twin(model) if sharded else model, settings, shape)
+    row = allocation_of(settings.allocation)
     batches = list(batches)  # read more than once: calibration, layer importance, split search
     if saved is not None:
         check_scores_cover(saved, settings)
         scores, measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
-        block_scores = saved.block_importance if (settings.allocation == "blockwise"
-                                                  and settings.block_importance == "removal") else None
+        block_scores = saved.block_importance if row.block_removal(settings) else None
         imp_batches: list[torch.Tensor] = []
     else:
         scores, measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum, sharded)
-    layer_scores = measured.get(settings.layer_importance) if settings.allocation in ("layerwise", "depth") else None
+    layer_scores = measured.get(settings.layer_importance) if row.layer_importance else None
 
     search = None
     share = settings.attn_share
     groups_removed = None
-    if settings.attn_mlp_split == "auto" and uniform_shape:
+    if settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
         groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    uniform_shape=uniform_shape, groups_removed=groups_removed)
+                    shape=shape, groups_removed=groups_removed)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -120,8 +119,7 @@ def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> 
 def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSettings, reduce_sum: ReduceSum | None,
            sharded: bool):
     """The scoring pass: unit scores, layer importance measures, sub-block removal scores (when asked)."""
-    from prunelight import zero3
-
+    row = allocation_of(settings.allocation)
     crit = build_criterion(settings.criterion, **settings.criterion_args)
     if sharded and not crit.needs_data:
         scores = zero3.gathered_scores(model, crit)
@@ -133,12 +131,12 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
 
     # Report-only measures need calibration text (none for a weight-only plan made without batches).
     wanted = [] if sharded or not imp_batches else list(settings.report_layer_importance)
-    if settings.allocation in ("layerwise", "depth") and settings.layer_importance not in wanted:
+    if row.layer_importance and settings.layer_importance not in wanted:
         wanted.insert(0, settings.layer_importance)
     measured = {name: mean_over_ranks(values, reduce_sum)
                 for name, values in (layer_importances(model, imp_batches, wanted).items() if wanted else ())}
     block_scores = None
-    if settings.allocation == "blockwise" and settings.block_importance == "removal":
+    if row.block_removal(settings):
         sub = subblock_removal(model, imp_batches)
         block_scores = {k: mean_over_ranks(v, reduce_sum) for k, v in sub.items()}
     return scores, measured, block_scores, crit.num_samples, imp_batches
@@ -148,7 +146,7 @@ def _refuse_on_partitioned(settings: PruneSettings) -> None:
     """Options that run extra forward passes on masked (written-to) weights cannot run on ZeRO-3 partitions."""
     unsupported = [
         name for name, bad in (
-            (f"prune.allocation={settings.allocation}", settings.allocation in ("layerwise", "depth")),
+            (f"prune.allocation={settings.allocation}", allocation_of(settings.allocation).layer_importance),
             ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
             ("prune.block_importance=removal", settings.block_importance == "removal"),
         ) if bad
@@ -169,12 +167,12 @@ def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.T
 def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
                   layer_scores, batches, reduce_sum) -> tuple[int, dict]:
     """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest."""
-    first = allocate(budget, scores, settings, layer_scores=layer_scores, uniform_shape=True)
+    first = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.UNIFORM)
     cands = first.meta["stock_shapes"]["candidates"]
     tried = []
     for cand in progress(cands, desc="uniform shape search", unit="shape"):
         k = cand["groups_removed_per_layer"]
-        plan = allocate(budget, scores, settings, layer_scores=layer_scores, uniform_shape=True, groups_removed=k)
+        plan = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.UNIFORM, groups_removed=k)
         tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
     best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
     return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,

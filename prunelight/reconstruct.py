@@ -49,10 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.console import progress
 from prunelight.families import LayerShape, ModelFamily, get_family, unwrap
-from prunelight.plan import LayerPlan, PrunePlan
-from prunelight.surgery import apply_plan, check_plan, drop_layers, record_shapes
+from prunelight.plan import PrunePlan
+from prunelight.surgery import apply_plan, check_plan
 
 RECONSTRUCTIONS = ("none", "bias", "least_squares")
 FIT_INPUT_CHOICES = ("dense", "pruned")
@@ -256,16 +255,6 @@ def _run(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], hooks
 
 
 # --- the layer-by-layer cut ------------------------------------------------------------------------
-def _cuts(lp: LayerPlan, shape: LayerShape) -> list[tuple[str, list[int]]]:
-    """The sub-blocks of a layer that lose units, in forward order, with their kept units ascending."""
-    out = []
-    for kind, keep, n in (("attn", lp.keep_groups, shape.num_key_value_heads),
-                          ("mlp", lp.keep_channels, shape.intermediate_size)):
-        if n and (len(keep) < n or not keep):  # as surgery.apply_plan: an untouched sub-block keeps its modules
-            out.append((kind, sorted(keep)))
-    return out
-
-
 @dataclass
 class _Job:
     """One reconstruction: model, family, method and the running figures."""
@@ -364,7 +353,7 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
     if method == "none":
         apply_plan(base, plan)
         return {"method": "none", "time_s": time.perf_counter() - t0}
-    check_plan(base, plan)
+    check_plan(base, plan)  # before any batch runs through the model
     family = get_family(base)
     job = _Job(base, family, method, settings.reconstruct_ridge, reduce_sum)
     batches = list(batches)[: settings.max_calibration_batches]
@@ -374,28 +363,24 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
     try:
         with torch.no_grad():
             calls = _layer_calls(base, family, batches, device)
-            dense = calls.hidden
-            pruned = calls.hidden if inputs == "pruned" else None
-            shapes = family.layer_shapes(base)
-            layers = list(family.layers(base))
-            for i in progress(range(len(layers)), f"reconstruction ({method})", unit="layer"):
-                layer, shape, kw = layers[i], shapes[i], [c[i] for c in calls.layer_kwargs]
+            streams = {"dense": calls.hidden, "pruned": calls.hidden if inputs == "pruned" else None}
+
+            def cut_layer(i: int, layer: nn.Module, shape: LayerShape, cuts) -> None:
+                """surgery.apply_plan's per-layer step: gather this layer's statistics, then cut and fit it."""
+                kw = [c[i] for c in calls.layer_kwargs]
                 if i in plan.drop_layers:  # the whole layer goes: the pruned stream passes it unchanged
-                    dense = _run(layer, dense, kw, {})
-                    continue
-                cuts = _cuts(plan.layers[i], shape)
-                if inputs == "dense":
-                    dense = _layer_dense_inputs(job, i, layer, shape, cuts, kw, dense)
+                    streams["dense"] = _run(layer, streams["dense"], kw, {})
+                elif inputs == "dense":
+                    streams["dense"] = _layer_dense_inputs(job, i, layer, shape, cuts, kw, streams["dense"])
                 else:
-                    dense, pruned = _layer_pruned_inputs(job, i, layer, shape, cuts, kw, dense, pruned)
-            del calls, dense, pruned
+                    streams["dense"], streams["pruned"] = _layer_pruned_inputs(job, i, layer, shape, cuts, kw,
+                                                                               streams["dense"], streams["pruned"])
+
+            apply_plan(base, plan, cut_layer, desc=f"reconstruction ({method})")
     finally:
         base.train(was_training)
     if method == "bias":
         family.add_output_biases(base)  # every layer alike, and stated in the config, so export and reload keep them
-    if plan.drop_layers:
-        drop_layers(base, plan.drop_layers)
-    record_shapes(base.config, family.layer_shapes(base))
     return _summary(job, inputs, seconds=time.perf_counter() - t0)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelight.allocation.registry import allocation_of
 from prunelight.atomic import atomic_file, atomic_write_json
 from prunelight.families import get_family, unwrap
 from prunelight.plan import PrunePlan
@@ -236,13 +237,14 @@ def check_scores_cover(saved: SavedScores, settings) -> None:
     """Refuse an allocation that needs a measure the scores file lacks, saying how to get it."""
     src = f"prune.scores={saved.source}"
     alloc = settings.allocation
-    if alloc in ("layerwise", "depth") and settings.layer_importance not in saved.layer_importance:
+    row = allocation_of(alloc)
+    if row.layer_importance and settings.layer_importance not in saved.layer_importance:
         have = ", ".join(saved.layer_importance) or "none"
         raise ValueError(f"{src} has no layer importance {settings.layer_importance!r} (it has: {have}), which "
                          f"allocation {alloc} needs: make the scores with a run that measures it "
                          f"(prune.report_layer_importance: [{settings.layer_importance}]), or choose "
                          f"prune.layer_importance among those it has")
-    if alloc == "blockwise" and settings.block_importance == "removal" and not saved.block_importance:
+    if row.block_removal(settings) and not saved.block_importance:
         raise ValueError(f"{src} has no sub-block removal importance, which block_importance=removal needs: make the "
                          "scores with a run of prune.allocation=blockwise and prune.block_importance=removal, or "
                          "use block_importance=units")

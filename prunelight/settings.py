@@ -1,9 +1,9 @@
 """The run's settings, one typed owner each: `prune:`, `evaluation:` and `export:` sections of the CLI and YAML.
 
-Every option and its default is written once, here. Values are checked once, in `__post_init__`, so a
+Every option and its default is written once, here. Each value is checked in `__post_init__`, so a
 bad value fails before any model or data is loaded, with one line naming the option, the value and
-what is allowed. Checks that need the model's sizes (e.g. more units asked than exist) are in
-`allocation.precheck`, run once per plan.
+what is allowed. Checks against the model's config, the run and the export's shape constraint are
+`checks.check_run`'s (also before any weights or data load).
 """
 
 from __future__ import annotations
@@ -12,18 +12,23 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from prunelight.allocation.base import Shape
+from prunelight.allocation.registry import ALLOCATIONS as ALLOCATION_ROWS
+from prunelight.allocation.registry import allocation_of, names_with
+from prunelight.allocation.shapes import EXPORT_SHAPES, shape_of_format
+from prunelight.allocation.split_search import parse_split
+from prunelight.allocation.targets import TARGET_OPTIONS, parse_target
 from prunelight.evaluation.suite import EvaluationSettings
 from prunelight.importance import CRITERIA, build_criterion
 from prunelight.layer_importance import LAYER_IMPORTANCE
 from prunelight.reconstruct import RECONSTRUCTIONS
 
 # Choice lists are owned by the modules that implement them; Literal[...] makes `--help` list them.
-ALLOCATIONS = ("global", "uniform", "layerwise", "blockwise", "depth")
-SPLIT_ALLOCATIONS = ("global", "layerwise")  # the allocations that can honour an attention:MLP split
+ALLOCATIONS = tuple(ALLOCATION_ROWS)  # the registry's rows at import (allocation/registry.py): the CLI's choices
 RATE_STRATEGIES = ("inverse", "proportional", "uniform")
 IMPORTANCE_SCALES = ("minmax", "rank")
 BLOCK_IMPORTANCE = ("units", "removal")
-EXPORT_FORMATS = ("auto", "stock")  # export.py (the writer) and allocation/stock.py (the uniform-shape cut)
+EXPORT_FORMATS = tuple(EXPORT_SHAPES)  # export.py writes the folder; allocation/shapes.py: each one's shape constraint
 
 CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
 AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
@@ -178,10 +183,9 @@ class PruneSettings:
         except ValueError as err:
             raise _bad("prune.criterion_args", self.criterion_args, str(err)) from None
         self.criterion_args = dict(self.criterion_args or {})
-        _choice("prune.allocation", self.allocation, ALLOCATIONS)
+        _choice("prune.allocation", self.allocation, tuple(ALLOCATION_ROWS))  # rows registered later too
+        row = allocation_of(self.allocation)
         if self.attn_mlp_split is not None:
-            from prunelight.allocation.split_search import parse_split  # here: allocation imports this module
-
             if isinstance(self.attn_mlp_split, int) and not isinstance(self.attn_mlp_split, bool):
                 raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
                            'an unquoted x:y in YAML is read as a base-60 number; quote it, e.g. "1:3"')
@@ -190,9 +194,10 @@ class PruneSettings:
             except ValueError:
                 raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
                            "use 'x:y' with x, y >= 0 and x + y > 0 (e.g. '1:3'), 'auto', or null") from None
-            if self.allocation not in SPLIT_ALLOCATIONS:
+            if not row.splits:
                 raise _bad("prune.attn_mlp_split", self.attn_mlp_split,
-                           f"a split applies to allocation {' or '.join(SPLIT_ALLOCATIONS)}, not {self.allocation!r}")
+                           f"a split applies to allocation {' or '.join(names_with('splits'))}, "
+                           f"not {self.allocation!r}")
         for name in ("prune_step", "min_groups", "min_channels"):
             _integer(f"prune.{name}", getattr(self, name), 0)
         _integer("prune.align_channels", self.align_channels, 1)
@@ -215,8 +220,6 @@ class PruneSettings:
 
     def _parse_targets(self) -> None:
         """A deployment target replaces the ratio; at most one, and none with a saved plan."""
-        from prunelight.allocation.targets import TARGET_OPTIONS, parse_target  # here: allocation imports us
-
         given = [name for name in TARGET_OPTIONS if getattr(self, name) is not None]
         if len(given) > 1:
             raise _bad(f"prune.{given[1]}", getattr(self, given[1]),
@@ -228,9 +231,11 @@ class PruneSettings:
                 self._target = parse_target(name.removeprefix("target_"), getattr(self, name))
             except ValueError as err:
                 raise _bad(f"prune.{name}", getattr(self, name), str(err)) from None
-            if name == "target_kv_cache" and self.allocation not in ("global", "uniform"):
+            if name == "target_kv_cache" and self.allocation in ALLOCATION_ROWS \
+                    and not ALLOCATION_ROWS[self.allocation].kv_target:
                 raise _bad(f"prune.{name}", getattr(self, name),
-                           f"a KV-cache target removes GQA groups only, with allocation global or uniform, "
+                           "a KV-cache target removes GQA groups only, with allocation "
+                           f"{' or '.join(names_with('kv_target'))}, "
                            f"not {self.allocation!r}")
             if name == "target_kv_cache" and self.attn_mlp_split is not None:
                 raise _bad(f"prune.{name}", getattr(self, name),
@@ -257,8 +262,6 @@ class PruneSettings:
     @property
     def attn_share(self) -> float | None:
         """The attention share of the budget for a fixed "x:y" split (None: free or searched)."""
-        from prunelight.allocation.split_search import parse_split
-
         return parse_split(self.attn_mlp_split)
 
     def as_dict(self) -> dict:
@@ -310,6 +313,6 @@ class ExportSettings:
         _choice("export.format", self.format, EXPORT_FORMATS)
 
     @property
-    def uniform_shape(self) -> bool:
-        """Whether the cut must keep one shape in every layer (what the pruning job is told)."""
-        return self.format == "stock"
+    def shape(self) -> Shape:
+        """The layer-shape constraint this format puts on the cut (allocation/shapes.py)."""
+        return shape_of_format(self.format)

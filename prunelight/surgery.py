@@ -8,9 +8,12 @@ module checks plans and asks the family to cut.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from prunelight.console import progress
 from prunelight.families import LayerShape, get_family, unwrap
 from prunelight.plan import LayerPlan, PrunePlan
 
@@ -35,23 +38,42 @@ def check_plan(model: nn.Module, plan: PrunePlan) -> None:
         raise ValueError("the plan drops every decoder layer; at least one must remain")
 
 
-def _kept(lp: LayerPlan, shape: LayerShape) -> dict[str, tuple[list[int], int]]:
-    """Per kind: the kept units in ascending order, and how many the layer has now."""
-    return {
-        "attn": (sorted(lp.keep_groups), shape.num_key_value_heads),
-        "mlp": (sorted(lp.keep_channels), shape.intermediate_size),
-    }
+def layer_cuts(lp: LayerPlan, shape: LayerShape) -> list[tuple[str, list[int]]]:
+    """The sub-blocks of a layer that lose units, in forward order, with their kept units ascending.
+
+    An untouched sub-block keeps its modules; an emptied one is cut to nothing (the family removes it).
+    """
+    out = []
+    for kind, keep, n in (("attn", lp.keep_groups, shape.num_key_value_heads),
+                          ("mlp", lp.keep_channels, shape.intermediate_size)):
+        if n and (len(keep) < n or not keep):
+            out.append((kind, sorted(keep)))
+    return out
 
 
-def apply_plan(model: nn.Module, plan: PrunePlan) -> list[LayerShape]:
-    """Cut `model` in place to the kept units of `plan`; returns the new per-layer shapes."""
+LayerCut = Callable[[int, nn.Module, LayerShape, list[tuple[str, list[int]]]], None]
+
+
+def apply_plan(model: nn.Module, plan: PrunePlan, cut_layer: LayerCut | None = None,
+               desc: str | None = None) -> list[LayerShape]:
+    """Cut `model` in place to the kept units of `plan`, one layer at a time in order; returns the new shapes.
+
+    `cut_layer(i, layer, shape, cuts)` cuts layer i's sub-blocks `cuts` (default: the family cuts each);
+    reconstruction plugs in here to fit each layer's repair while the layer is cut. Every layer is passed,
+    also those the plan drops (removed after the loop). `desc` shows a progress bar.
+    """
     check_plan(model, plan)
     family = get_family(model)
     config = unwrap(model).config
-    for layer, lp, shape in zip(family.layers(model), plan.layers, family.layer_shapes(model)):
-        for kind, (keep, n) in _kept(lp, shape).items():
-            if len(keep) < n or not keep:  # an untouched sub-block keeps its modules
-                family.cut_sub_block(layer, config, shape, kind, keep)
+
+    def family_cut(i: int, layer: nn.Module, shape: LayerShape, cuts: list[tuple[str, list[int]]]) -> None:
+        for kind, keep in cuts:
+            family.cut_sub_block(layer, config, shape, kind, keep)
+
+    cut_layer = cut_layer or family_cut
+    layers, shapes = list(family.layers(model)), family.layer_shapes(model)
+    for i in (progress(range(len(layers)), desc, unit="layer") if desc else range(len(layers))):
+        cut_layer(i, layers[i], shapes[i], layer_cuts(plan.layers[i], shapes[i]))
     if plan.drop_layers:
         drop_layers(model, plan.drop_layers)
     shapes = family.layer_shapes(model)

@@ -102,13 +102,13 @@ def prepare_data(args: argparse.Namespace, data_file: Path) -> dict:
 
 def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
-    from prunelight.allocation import allocate, precheck
+    from prunelight.allocation import allocation_of
     from prunelight.calibration import run_calibration
+    from prunelight.cut import measured_scores, run_cut
     from prunelight.evaluation.efficiency import PeakMemory
     from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
     from prunelight.layer_importance import layer_importances
-    from prunelight.reconstruct import cut_and_reconstruct
 
     device = torch.device(args.device)
     model = _load_model(args.model, device)
@@ -137,18 +137,18 @@ def run_worker(args: argparse.Namespace) -> dict:
         try:
             settings = allocation_settings(method, args.worker, criterion_args, args.ratio,
                                            extra_args.get(method, {}))
-            layer_scores = None
-            if method in ("layerwise", "depth"):  # measured on the dense model, as make_plan does
+            measured = {}
+            if allocation_of(method).layer_importance:  # measured once on the dense model, as make_plan does
                 name = settings.layer_importance
-                layer_scores = layer_importances(model, calib[:settings.importance_batches], [name])[name]
-            plan = allocate(precheck(model, settings), scores, settings, layer_scores=layer_scores)
+                measured[name] = layer_importances(model, calib[:settings.importance_batches], [name])[name]
+            saved = measured_scores(scores, measured, criterion.num_samples)  # scored once, allocated per cell
             modes = ["none"] + (args.reconstruct if method in args.reconstruct_allocations else [])
             for mode in modes:
                 label = method if mode == "none" else f"{method}+{mode}"
                 row = {"allocation": label}
                 pruned = copy.deepcopy(model)
                 t0 = time.perf_counter()
-                cut_and_reconstruct(pruned, plan, calib, dataclasses.replace(settings, reconstruct=mode))
+                plan = run_cut(pruned, calib, dataclasses.replace(settings, reconstruct=mode), scores=saved).plan
                 ppl = evaluate_perplexity(pruned, evals)
                 row.update(
                     ppl=ppl["ppl"],

@@ -84,12 +84,12 @@ def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], 
     """Score once per criterion, then per ratio allocate, cut a fresh copy (and reconstruct), evaluate."""
     from benchmark_methods import allocation_settings
 
-    from prunelight.allocation import allocate, precheck
+    from prunelight.allocation import allocation_of
     from prunelight.calibration import run_calibration
+    from prunelight.cut import measured_scores, run_cut
     from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.importance import build_criterion
     from prunelight.layer_importance import layer_importances
-    from prunelight.reconstruct import cut_and_reconstruct
 
     scores_of: dict[str, object] = {}
     layer_of: dict[str, list[float]] = {}
@@ -105,15 +105,12 @@ def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], 
                 if criterion not in scores_of:
                     crit = build_criterion(criterion)
                     scores_of[criterion] = run_calibration(model, calib if crit.needs_data else [], crit)
-                layer_scores = None
-                if method in ("layerwise", "depth"):
+                if allocation_of(method).layer_importance:  # measured once on the dense model
                     name = settings.layer_importance
                     if name not in layer_of:
                         layer_of[name] = layer_importances(model, calib[: settings.importance_batches], [name])[name]
-                    layer_scores = layer_of[name]
-                plan = allocate(precheck(model, settings), scores_of[criterion], settings, layer_scores=layer_scores)
                 pruned = copy.deepcopy(model)
-                cut_and_reconstruct(pruned, plan, calib, settings)
+                run_cut(pruned, calib, settings, scores=measured_scores(scores_of[criterion], layer_of))
                 after = sum(p.numel() for p in pruned.parameters())
                 ppl = evaluate_perplexity(pruned, evals)
                 row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=after,

@@ -56,18 +56,13 @@ def synthetic_model(hidden: int, intermediate: int, layers: int, heads: int, kv_
 
 def prune_copy(model: nn.Module, ratio: float, align: int) -> nn.Module:
     """A cut copy of `model` with `ratio` of parameters removed by prunelight (magnitude, global, `align`)."""
-    from prunelight.allocation import allocate, precheck
-    from prunelight.calibration import run_calibration
-    from prunelight.importance import build_criterion
-    from prunelight.surgery import apply_plan
+    from prunelight.cut import run_cut
     from prunelight.settings import PruneSettings
 
     settings = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", align_channels=align,
                              reconstruct="none")
-    scores = run_calibration(model, [], build_criterion("magnitude"))
-    plan = allocate(precheck(model, settings), scores, settings)
     pruned = copy.deepcopy(model)
-    apply_plan(pruned, plan)
+    run_cut(pruned, [], settings)  # magnitude needs no calibration text
     return pruned
 
 

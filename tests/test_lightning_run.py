@@ -65,7 +65,7 @@ def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
     trainer.fit(module, dm)
 
     report = module.record.to_dict()
-    assert prune_cb.pruned and report["calibration"]["prune_step"] == 1
+    assert module.cut_state.done and report["calibration"]["prune_step"] == 1
     assert report["params_after"] < report["params_before"]
     assert {"dense", "pruned", "recovered"} <= set(report["ppl"])
     assert (tmp_path / "run" / "model" / "model.safetensors").exists() and (tmp_path / "run" / "report.json").exists()
@@ -81,7 +81,7 @@ def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
     trainer2.fit(resumed, dm2, ckpt_path=last)
     assert trainer2.global_step == 6
     assert resumed.plan.to_dict() == module.plan.to_dict(), "the plan must come back from the checkpoint"
-    assert prune_cb2.pruned and resumed.record.calibration is not None
+    assert resumed.cut_state.done and resumed.record.calibration is not None
     shapes = [layer.mlp.down_proj.in_features for layer in resumed.base_model.model.layers]
     assert shapes == [len(lp.keep_channels) for lp in module.plan.layers]
 

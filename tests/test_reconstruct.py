@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from prunelight.checkpoint_state import frozen_weights_reproducible
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
@@ -190,11 +191,12 @@ def test_checkpoint_keeps_reconstructed_weights():
     lm = PruneLM(config=cfg, attn_implementation="eager", recovery="none")
     lm.configure_model()
     plan = _plan(lm.base_model)
-    figures = lm.apply_plan_reconstructed(plan, _batches(), settings_of(0.3, reconstruct="bias"))
-    assert figures["method"] == "bias" and lm.reconstructed
-    lm.lora_active, lm.model_config, lm.pretrained_is_pruned = True, None, True
-    assert not lm._frozen_weights_reproducible(), "reconstructed weights are not pretrained + plan"
-    lm.lora_active, lm.model_config, lm.pretrained_is_pruned = False, cfg, False
+    figures = cut_and_reconstruct(lm.base_model, plan, _batches(), settings_of(0.3, reconstruct="bias"))
+    lm.cut_state.mark_cut(plan, reconstructed=True)
+    assert figures["method"] == "bias" and lm.cut_state.reconstructed
+    lm.lora_active, lm.model_config, lm.cut_state.pretrained_is_cut = True, None, True
+    assert not frozen_weights_reproducible(lm), "reconstructed weights are not pretrained + plan"
+    lm.lora_active, lm.model_config, lm.cut_state.pretrained_is_cut = False, cfg, False
     ckpt = {"state_dict": lm.state_dict()}
     lm.on_save_checkpoint(ckpt)
     assert ckpt["prunelight"]["weights"] == "all" and ckpt["prunelight"]["output_bias"]
@@ -202,7 +204,7 @@ def test_checkpoint_keeps_reconstructed_weights():
     fresh = PruneLM(config=cfg, attn_implementation="eager", recovery="none")
     fresh.on_load_checkpoint(ckpt)
     fresh.load_state_dict(ckpt["state_dict"])  # strict: the biases exist before the weights load
-    assert fresh.reconstructed
+    assert fresh.cut_state.reconstructed
     ids = torch.tensor(IDS)
     with torch.no_grad():
         torch.testing.assert_close(fresh.base_model.eval()(ids).logits, lm.base_model.eval()(ids).logits)
@@ -343,5 +345,5 @@ def test_fit_with_reconstruction_records_exports_and_resumes(tmp_path):
     resumed = module()
     t2 = trainer(tmp_path / "b", 4, [PruningCallback(settings)])
     t2.fit(resumed, data(tmp_path / "b" / "data"), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    assert t2.global_step == 4 and resumed.reconstructed
+    assert t2.global_step == 4 and resumed.cut_state.reconstructed
     assert all(layer.self_attn.o_proj.base_layer.bias is not None for layer in resumed.base_model.model.layers)

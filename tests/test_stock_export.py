@@ -13,8 +13,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from prunelight.allocation import allocate, precheck
-from prunelight.allocation.stock import check_stock_settings
+from prunelight.allocation import Shape, allocate, check_shape, precheck
 from prunelight.export import StockExportError, export_config, export_pretrained
 from prunelight.importance import build_criterion
 from prunelight.plan import LayerPlan, PrunePlan
@@ -41,7 +40,7 @@ CASES = {  # name: (family, overrides, groups removed per layer or None for the 
 def _stock_plan(model, ratio=0.2, groups_removed=None, **options):
     settings = settings_of(ratio, **options)
     scores = build_criterion("random", seed=1).scores(model)
-    return allocate(precheck(model, settings, uniform_shape=True), scores, settings, uniform_shape=True,
+    return allocate(precheck(model, settings, shape=Shape.UNIFORM), scores, settings, shape=Shape.UNIFORM,
                     groups_removed=groups_removed)
 
 
@@ -77,8 +76,8 @@ def test_depth_drops_layers_then_fills_one_width():
     model = tiny_model("llama", num_hidden_layers=4, **SHAPE)
     settings = settings_of(0.35, allocation="depth")
     scores = build_criterion("random", seed=1).scores(model)
-    plan = allocate(precheck(model, settings, uniform_shape=True), scores, settings, layer_scores=[0.9, 0.1, 0.8, 0.7],
-                    uniform_shape=True)
+    plan = allocate(precheck(model, settings, shape=Shape.UNIFORM), scores, settings, layer_scores=[0.9, 0.1, 0.8, 0.7],
+                    shape=Shape.UNIFORM)
     assert plan.drop_layers == [1]
     kept = {(len(lp.keep_groups), len(lp.keep_channels)) for i, lp in enumerate(plan.layers) if i != 1}
     assert len(kept) == 1 and 0 <= plan.meta["budget_error_params"] < 3 * 192
@@ -91,11 +90,11 @@ def test_depth_drops_layers_then_fills_one_width():
 ])
 def test_settings_no_stock_config_can_state_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
-        check_stock_settings(settings_of(0.2, **options))
+        check_shape(settings_of(0.2, **options), Shape.UNIFORM)
 
 
 def test_export_format_setting_is_checked():
-    assert ExportSettings(format="stock").uniform_shape and not ExportSettings().uniform_shape
+    assert ExportSettings(format="stock").shape is Shape.UNIFORM and ExportSettings().shape is Shape.FREE
     with pytest.raises(SettingsError, match="export.format='gguf' is not allowed: use one of auto, stock"):
         ExportSettings(format="gguf")
 
@@ -216,7 +215,7 @@ def test_reference_model_stock_export_loads_clean(ref_model_dir, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
     settings = PruneSettings(ratio=0.2, criterion="magnitude", reconstruct="none", align_channels=64)
-    plan, _ = make_plan(model, [], settings, uniform_shape=True)
+    plan, _ = make_plan(model, [], settings, shape=Shape.UNIFORM)
     assert 0 <= plan.meta["budget_error_params"] < 8 * 64 * 3 * 256
     apply_plan(model, plan)
     folder = export_pretrained(model, tmp_path / "ref", format="stock")

@@ -9,6 +9,9 @@
 Any of them can split the budget x:y between attention and MLP (global, layerwise) and round kept
 MLP channels to a hardware-friendly multiple.
 
+Each allocation is a row of `registry.ALLOCATIONS` (what it needs, the shape constraints it honours,
+its pre-check); `precheck` and `allocate` below are the same for all of them.
+
 Budget: global, layerwise, blockwise and depth (with fill_width) remove target <= P < target + c_cost
 (one MLP channel); uniform keeps equal layer shapes, so target <= P < target + num_layers * c_cost;
 align_channels=m gives target <= P < target + m * c_cost; blockwise/depth without fill_width remove
@@ -18,82 +21,57 @@ whole structures only (within one structure).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from prunelight.allocation.align import align_channels as _align
+from prunelight.allocation.base import Allocation, AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import (
     Budget,
     build_plan,
     check_scores,
     count_params,
+    decoder_params,
     empty_removed,
     lowest,
-    units,
-    decoder_params,
     make_budget,
     plan_meta,
-    true_up,
+    units,
 )
-from prunelight.allocation.layerwise import layer_rates, layerwise_width
-from prunelight.allocation.stock import candidates as stock_candidates
-from prunelight.allocation.stock import check_stock_settings, stock_width
-from prunelight.allocation.structural import blockwise, depth
-from prunelight.allocation.width import global_width, kind_targets, uniform_width
+from prunelight.allocation.registry import ALLOCATIONS, allocation_of, honouring, names_with, register
+from prunelight.allocation.shapes import SHAPES, format_of_shape, shape_of_format
 from prunelight.importance.base import UnitScores
 from prunelight.plan import PrunePlan
-from prunelight.settings import ALLOCATIONS, SPLIT_ALLOCATIONS, PruneSettings
 
-NEEDS_LAYER_IMPORTANCE = ("layerwise", "depth")
+if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
+    from prunelight.settings import PruneSettings
 
-__all__ = ["ALLOCATIONS", "Budget", "allocate", "count_params", "decoder_params", "make_budget", "precheck"]
+__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "Removal", "Shape", "allocate", "allocation_of",
+           "check_shape", "count_params", "decoder_params", "make_budget", "precheck", "register", "shape_of_format"]
 
 
-def precheck(model: nn.Module, settings: PruneSettings, uniform_shape: bool = False) -> Budget:
-    """Measure the model once and refuse settings its sizes cannot meet (run before calibration).
+def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
+    """Settings-only refusals of a shape constraint: the allocation must honour it, and the shape's own checks."""
+    row = allocation_of(settings.allocation)
+    if shape not in row.by_shape:
+        raise ValueError(f"prune.allocation={row.name!r} is not allowed with export.format={format_of_shape(shape)} "
+                         f"({SHAPES[shape].why}): use one of {', '.join(honouring(shape))}")
+    SHAPES[shape].check_settings(settings)
 
-    `uniform_shape` (export.format: stock) also refuses settings and models no uniform shape suits.
+
+def precheck(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE) -> Budget:
+    """Measure the model once and refuse settings its sizes cannot meet (model sizes only: before any data).
+
+    Runs the shape constraint's settings check, the allocation's pre-check and the shape's size check.
     """
-    if uniform_shape:
-        check_stock_settings(settings)
-        if settings.target_kv_cache is not None:
-            raise ValueError(f"prune.target_kv_cache={settings.target_kv_cache!r} is not allowed with export.format="
-                             "stock: a KV-cache target removes groups where they matter least, which breaks the one "
-                             "shape per layer; use prune.ratio, prune.target_params or prune.target_memory")
+    check_shape(settings, shape)
     budget = make_budget(model, settings)
-    rates = settings.layerwise
-    goal = settings.target
-    asked = f"prune.ratio={settings.ratio}" if goal is None else f"{goal.option}={goal.text!r}"
-    if settings.allocation == "layerwise":
-        if rates.freeze_top_n >= budget.num_layers:
-            raise ValueError(
-                f"prune.layerwise.freeze_top_n={rates.freeze_top_n} is not allowed: the model has {budget.num_layers} "
-                "layers and at least one must be prunable"
-            )
-        sizes = sorted((budget.layer_units(i), i) for i in range(budget.num_layers))
-        pruned = [i for _, i in sizes[rates.freeze_top_n:]]  # optimistic: the smallest layers frozen
-        most = sum(min(rates.rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
-        if budget.target > most:
-            raise ValueError(
-                f"{asked} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
-                f"{rates.rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
-            )
-    if settings.allocation in ("global", "layerwise"):
-        removable = budget.removable("attn") + budget.removable("mlp")
-        if budget.target > removable:
-            raise ValueError(
-                f"{asked} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
-                f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
-                f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
-            )
-    share = settings.attn_share
-    if share is not None and not uniform_shape:
-        kind_targets(budget, share)
-    if uniform_shape and settings.allocation != "depth":  # depth's dropped layers are known only after scoring
-        import torch
-
-        zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
-        stock_candidates(zeros, budget, settings.align_channels)
+    row = allocation_of(settings.allocation)
+    if row.precheck is not None:
+        row.precheck(budget, settings, shape)
+    rule = SHAPES[shape]
+    if rule.check_sizes is not None and not (shape is not Shape.FREE and row.drops_layers):
+        rule.check_sizes(budget, settings, shape)  # dropped layers are known only after scoring
     return budget
 
 
@@ -104,62 +82,39 @@ def allocate(
     layer_scores: Sequence[float] | None = None,
     block_scores: dict[str, Sequence[float]] | None = None,
     attn_share: float | None = None,
-    uniform_shape: bool = False,
+    shape: Shape = Shape.FREE,
     groups_removed: int | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
-    `attn_share` overrides the settings' fixed split (the split search tries several); layerwise and
-    depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
-    `uniform_shape` (export.format: stock) keeps one shape in every kept layer (allocation/stock.py);
-    `groups_removed` then fixes the groups removed per layer (the calibration search tries each).
+    `attn_share` overrides the settings' fixed split (the split search tries several); allocations with
+    `layer_importance` need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
+    `shape` is the layer-shape constraint (`Shape.UNIFORM` for export.format: stock); `groups_removed` then
+    fixes the groups removed per layer (the calibration search tries each).
     """
-    if uniform_shape:
-        return _allocate_stock(budget, scores, settings, layer_scores, attn_share, groups_removed)
-    method = settings.allocation
-    if budget.kv_groups:
-        return _kv_plan(budget, scores, method)
+    row = allocation_of(settings.allocation)
+    rule = SHAPES[shape]
+    check_shape(settings, shape)
     share = settings.attn_share if attn_share is None else attn_share
-    if share is not None and method not in SPLIT_ALLOCATIONS:
-        raise ValueError(f"an attention:MLP split applies to {', '.join(SPLIT_ALLOCATIONS)}, not {method!r}")
+    if budget.kv_groups and rule.kv_target:
+        return _kv_plan(budget, scores, row)
+    if share is not None and not row.splits:
+        raise ValueError(f"an attention:MLP split applies to {', '.join(names_with('splits'))}, not {row.name!r}")
     check_scores(scores, budget)
-    if method in NEEDS_LAYER_IMPORTANCE and layer_scores is None:
-        raise ValueError(f"allocation {method!r} needs layer importance (layer_scores); make_plan measures it")
-    extra: dict = {"allocation": method}
-    drop: set[int] = set()
-    if method == "global":
-        removed = global_width(scores, budget, share)
-    elif method == "uniform":
-        removed = uniform_width(scores, budget)
-    elif method == "layerwise":
-        rates = layer_rates(layer_scores, budget, settings.layerwise)
-        removed = layerwise_width(scores, budget, rates, share)
-        lw = settings.layerwise
-        extra.update(layer_rates=rates, rate_strategy=lw.rate_strategy, alpha=lw.alpha, freeze_top_n=lw.freeze_top_n,
-                     importance_scale=lw.importance_scale)
-    elif method == "blockwise":
-        removed, gone = blockwise(scores, budget, block_scores, settings.fill_width)
-        extra.update(blocks_removed=[f"{k}{i}" for k, i in gone])
-    else:
-        removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
-    if share is not None:
-        extra["attn_share_target"] = share
-    if settings.align_channels > 1:
-        removed = _align(scores, budget, removed, settings.align_channels, fixed=drop)
-        extra["align_channels"] = settings.align_channels
-    elif method != "uniform" and (settings.fill_width or method not in ("blockwise", "depth")):
-        # Count the sub-blocks' biases and layers' norms the fills did not see; land within one channel.
-        removed = true_up(scores, budget, removed, drop)
-    plan = build_plan(budget, removed, drop)
-    plan.meta = {**extra, **plan_meta(budget, plan)}
+    if row.layer_importance and layer_scores is None:
+        raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
+    inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed)
+    removal = rule.finish(inp, row.by_shape[shape](inp))
+    plan = build_plan(budget, removal.removed, removal.drop)
+    plan.meta = {"allocation": row.name, **removal.extra, **plan_meta(budget, plan)}
     return plan
 
 
-def _kv_plan(budget: Budget, scores: UnitScores, method: str) -> PrunePlan:
+def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation) -> PrunePlan:
     """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer)."""
     check_scores(scores, budget)
     removed = empty_removed(budget)
-    if method == "uniform":
+    if row.name == "uniform":
         k = budget.kv_groups // budget.num_layers
         for i, t in enumerate(scores["attn"]):
             removed["attn"][i] = lowest(t, k)
@@ -173,32 +128,5 @@ def _kv_plan(budget: Budget, scores: UnitScores, method: str) -> PrunePlan:
                 removed["attn"][i].add(j)
                 left -= 1
     plan = build_plan(budget, removed)
-    plan.meta = {"allocation": method, **plan_meta(budget, plan)}
-    return plan
-
-
-def _allocate_stock(budget: Budget, scores: UnitScores, settings: PruneSettings, layer_scores, attn_share,
-                    groups_removed: int | None) -> PrunePlan:
-    """`allocate` under export.format: stock: whole layers (depth) first, then one uniform width everywhere."""
-    check_stock_settings(settings)
-    check_scores(scores, budget)
-    method = settings.allocation
-    share = settings.attn_share if attn_share is None else attn_share
-    drop: set[int] = set()
-    if method == "depth":
-        if layer_scores is None:
-            raise ValueError("allocation 'depth' needs layer importance (layer_scores); make_plan measures it")
-        removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
-        if not settings.fill_width:
-            plan = build_plan(budget, removed, drop)
-            plan.meta = {"allocation": method, "uniform_shape": True, **plan_meta(budget, plan)}
-            return plan
-    removed, report = stock_width(scores, budget, settings.align_channels, drop, share, groups_removed)
-    plan = build_plan(budget, removed, drop)
-    extra = {"allocation": method, "uniform_shape": True, "stock_shapes": report}
-    if share is not None:
-        extra["attn_share_target"] = share
-    if settings.align_channels > 1:
-        extra["align_channels"] = settings.align_channels
-    plan.meta = {**extra, **plan_meta(budget, plan)}
+    plan.meta = {"allocation": row.name, **plan_meta(budget, plan)}
     return plan

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,7 +13,9 @@ from prunelight.allocation.targets import Target, human_bytes, kv_bytes_per_toke
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.plan import LayerPlan, PrunePlan
-from prunelight.settings import PruneSettings
+
+if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
+    from prunelight.settings import PruneSettings
 
 Removed = dict[str, list[set[int]]]  # kind -> per layer, the removed unit indices
 Unit = tuple[float, str, int, int, int]  # (score per parameter, kind, layer, index, cost)

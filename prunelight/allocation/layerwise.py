@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, meet, trim, units
-from prunelight.allocation.width import kind_targets, limits
+from prunelight.allocation.width import asked, check_removable, kind_targets, limits
 from prunelight.importance.base import UnitScores
-from prunelight.settings import LayerRates
+
+if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
+    from prunelight.settings import LayerRates
+
 
 def layer_rates(importance: Sequence[float], budget: Budget, rates: LayerRates) -> list[float]:
     """Per-layer removal fractions of the prunable parameters that together meet the budget exactly."""
@@ -105,3 +110,31 @@ def layerwise_width(
         meet(units(scores, budget, kinds=("mlp",), layers=set(active)), budget.target - done(("attn",)), removed,
              lim, done(("mlp",)), budget.c_cost)
     return removed
+
+
+def allocate_layerwise(inp: AllocationInputs) -> Removal:
+    """`layerwise`: per-layer rates from layer importance, then each layer's quota of its lowest units."""
+    lw = inp.settings.layerwise
+    rates = layer_rates(inp.layer_scores, inp.budget, lw)
+    removed = layerwise_width(inp.scores, inp.budget, rates, inp.attn_share)
+    return Removal(removed, extra=dict(layer_rates=rates, rate_strategy=lw.rate_strategy, alpha=lw.alpha,
+                                       freeze_top_n=lw.freeze_top_n, importance_scale=lw.importance_scale))
+
+
+def check_layerwise(budget: Budget, settings, shape: Shape) -> None:
+    """Refuse a freeze or rate range that leaves too little to prune (model sizes only), then the removable check."""
+    rates = settings.layerwise
+    if rates.freeze_top_n >= budget.num_layers:
+        raise ValueError(
+            f"prune.layerwise.freeze_top_n={rates.freeze_top_n} is not allowed: the model has {budget.num_layers} "
+            "layers and at least one must be prunable"
+        )
+    sizes = sorted((budget.layer_units(i), i) for i in range(budget.num_layers))
+    pruned = [i for _, i in sizes[rates.freeze_top_n:]]  # optimistic: the smallest layers frozen
+    most = sum(min(rates.rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
+    if budget.target > most:
+        raise ValueError(
+            f"{asked(settings)} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
+            f"{rates.rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
+        )
+    check_removable(budget, settings, shape)

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest, plan_params_removed
 from prunelight.importance.base import UnitScores
 
-# Allocations whose plans can keep equal layer shapes: global and uniform become the uniform-shape search,
-# depth drops whole layers and the search fills the rest.
-STOCK_ALLOCATIONS = ("global", "uniform", "depth")
 BIAS_FREE_RECONSTRUCT = ("none", "least_squares")  # `bias` adds o_proj/down_proj biases no stock config states
 
 
-def check_stock_settings(settings) -> None:
-    """Refuse prune settings whose plans a stock config cannot state (run before any work)."""
-    if settings.allocation not in STOCK_ALLOCATIONS:
-        raise ValueError(f"prune.allocation={settings.allocation!r} is not allowed with export.format=stock (it gives "
-                         f"per-layer widths): use one of {', '.join(STOCK_ALLOCATIONS)}")
+def check_uniform_settings(settings) -> None:
+    """Refuse prune settings whose plans a stock config cannot state (settings only: run before any work)."""
     if settings.reconstruct not in BIAS_FREE_RECONSTRUCT:
         raise ValueError(f"prune.reconstruct={settings.reconstruct!r} is not allowed with export.format=stock (it adds "
                          "o_proj/down_proj biases a stock config cannot state): use one of "
@@ -37,6 +34,28 @@ def check_stock_settings(settings) -> None:
     if settings.min_groups == 0 or settings.min_channels == 0:
         raise ValueError(f"prune.min_groups={settings.min_groups}, min_channels={settings.min_channels} is not "
                          "allowed with export.format=stock: a stock layer keeps attention and MLP; use values >= 1")
+    if settings.target_kv_cache is not None:
+        raise ValueError(f"prune.target_kv_cache={settings.target_kv_cache!r} is not allowed with export.format="
+                         "stock: a KV-cache target removes groups where they matter least, which breaks the one "
+                         "shape per layer; use prune.ratio, prune.target_params or prune.target_memory")
+
+
+def check_uniform_sizes(budget: Budget, settings, shape: Shape) -> None:
+    """Some uniform shape must meet the budget (model sizes only; zero scores stand in for the real ones)."""
+    zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
+    candidates(zeros, budget, settings.align_channels)
+
+
+def allocate_uniform_shape(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
+    """The uniform-shape removal of the layers not in `drop`, chosen by the split setting (or `groups_removed`)."""
+    s = inp.settings
+    removed, report = stock_width(inp.scores, inp.budget, s.align_channels, drop, inp.attn_share, inp.groups_removed)
+    extra = {"uniform_shape": True, "stock_shapes": report}
+    if inp.attn_share is not None:
+        extra["attn_share_target"] = inp.attn_share
+    if s.align_channels > 1:
+        extra["align_channels"] = s.align_channels
+    return Removal(removed, set(drop), extra, exact=True)
 
 
 def _uniform(budget: Budget, live: list[int]) -> tuple[int, int]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prunelight.allocation.base import AllocationInputs, Removal
 from prunelight.allocation.budget import Budget, Removed, empty_removed
+from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.width import global_width
 from prunelight.importance.base import UnitScores
-
 
 
 def block_scores_from_units(scores: UnitScores) -> dict[str, list[float]]:
@@ -91,3 +92,24 @@ def depth(
         shifted = Budget(**{**budget.__dict__, "target": budget.target - extra})
         global_width(scores, shifted, removed=removed, layers=kept)
     return removed, drop
+
+
+def allocate_blockwise(inp: AllocationInputs) -> Removal:
+    """`blockwise`: whole sub-blocks first; with fill_width the rest by width (trued up), else whole blocks only."""
+    s = inp.settings
+    removed, gone = blockwise(inp.scores, inp.budget, inp.block_scores, s.fill_width)
+    return Removal(removed, extra={"blocks_removed": [f"{k}{i}" for k, i in gone]}, exact=not s.fill_width)
+
+
+def allocate_depth(inp: AllocationInputs) -> Removal:
+    """`depth`: whole layers by layer importance; with fill_width the rest by width (trued up)."""
+    removed, drop = depth(inp.scores, inp.budget, inp.layer_scores, inp.settings.fill_width)
+    return Removal(removed, drop, exact=not inp.settings.fill_width)
+
+
+def allocate_depth_uniform(inp: AllocationInputs) -> Removal:
+    """`depth` with one layer shape: whole layers first, then one uniform width in every kept layer."""
+    removed, drop = depth(inp.scores, inp.budget, inp.layer_scores, inp.settings.fill_width)
+    if not inp.settings.fill_width:
+        return Removal(removed, drop, extra={"uniform_shape": True}, exact=True)
+    return allocate_uniform_shape(inp, drop)

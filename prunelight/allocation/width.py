@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, lowest, meet, units
 from prunelight.importance.base import UnitScores
 
@@ -56,12 +57,12 @@ def global_width(scores: UnitScores, budget: Budget, attn_share: float | None = 
     return removed
 
 
-def uniform_width(scores: UnitScores, budget: Budget) -> Removed:
-    """The same counts in every layer: groups rounded to whole groups, channels fill the rest.
+def uniform_counts(budget: Budget) -> tuple[int, int]:
+    """Groups and channels removed in every layer by `uniform`: groups rounded to whole groups, channels the rest.
 
     Every layer keeps the same shape, so the removal lands in [target, target + num_layers * c_cost):
     one channel per layer is the finest step that keeps the shapes equal. Groups never take more than
-    the whole target on their own.
+    the whole target on their own. Needs only the model's sizes, so `precheck` runs it before scoring.
     """
     layers = budget.num_layers
     frac = budget.target / budget.decoder
@@ -75,7 +76,46 @@ def uniform_width(scores: UnitScores, budget: Budget) -> Removed:
             f"uniform allocation cannot reach the budget: after {k_g} group(s) per layer the MLP would need "
             f"more than {n_c - budget.min_channels} channels per layer; use allocation 'global' or a smaller ratio"
         )
+    return k_g, k_c
+
+
+def uniform_width(scores: UnitScores, budget: Budget) -> Removed:
+    """The same counts in every layer (`uniform_counts`), the lowest-scored units of each layer."""
+    k_g, k_c = uniform_counts(budget)
     return {
-        "attn": [lowest(scores["attn"][i], k_g) for i in range(layers)],
-        "mlp": [lowest(scores["mlp"][i], k_c) for i in range(layers)],
+        "attn": [lowest(scores["attn"][i], k_g) for i in range(budget.num_layers)],
+        "mlp": [lowest(scores["mlp"][i], k_c) for i in range(budget.num_layers)],
     }
+
+
+def allocate_global(inp: AllocationInputs) -> Removal:
+    """`global`: one knapsack over every unit of the model."""
+    return Removal(global_width(inp.scores, inp.budget, inp.attn_share))
+
+
+def allocate_uniform(inp: AllocationInputs) -> Removal:
+    """`uniform`: the same counts in every layer (its own rounding: no true-up)."""
+    return Removal(uniform_width(inp.scores, inp.budget), exact=True)
+
+
+def check_removable(budget: Budget, settings, shape: Shape) -> None:
+    """Refuse a target above what the layers can give while keeping min_groups / min_channels."""
+    removable = budget.removable("attn") + budget.removable("mlp")
+    if budget.target > removable:
+        raise ValueError(
+            f"{asked(settings)} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
+            f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
+            f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
+        )
+
+
+def check_uniform(budget: Budget, settings, shape: Shape) -> None:
+    """`uniform` with free shapes: the equal counts must reach the budget (a KV-cache target counts groups only)."""
+    if shape is Shape.FREE and not budget.kv_groups:
+        uniform_counts(budget)
+
+
+def asked(settings) -> str:
+    """The option that set the budget, as the user wrote it (for refusals)."""
+    goal = settings.target
+    return f"prune.ratio={settings.ratio}" if goal is None else f"{goal.option}={goal.text!r}"

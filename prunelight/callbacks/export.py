@@ -19,6 +19,7 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_config, export_pretrained
 from prunelight.families import get_family
 from prunelight.model_card import model_card
+from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.record import RecoveryRecord
 from prunelight.report import write_report
 from prunelight.settings import ExportSettings
@@ -26,7 +27,6 @@ from prunelight.zero3 import gathered_merged_copy
 
 log = logging.getLogger(__name__)
 
-FAST_DEV_RUN_DIR = "fast_dev_run"  # smoke tests write here, inside out_dir, never over a real run's results
 
 
 class ExportCallback(L.Callback):
@@ -50,7 +50,7 @@ class ExportCallback(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         sharded = zero_stage(trainer.strategy) == 3
-        self._merge(trainer, pl_module, sharded)
+        final = self._merge(trainer, pl_module, sharded)  # the model to export (None on ranks > 0 under ZeRO-3)
         record = pl_module.record
         record.model = pl_module.pretrained if pl_module.model_config is None else "config"
         record.recovery = RecoveryRecord(mode=pl_module.recovery, steps=trainer.global_step,
@@ -68,15 +68,15 @@ class ExportCallback(L.Callback):
             if self.settings.model:
                 t0 = time.perf_counter()
                 with progress(None, "export", total=1, unit="folder") as bar:
-                    export_pretrained(pl_module.model, self.out_dir / "model", tokenizer=pl_module.load_tokenizer(),
-                                      format=self.settings.format, card=self._card(record, pl_module),
+                    export_pretrained(final, self.out_dir / "model", tokenizer=pl_module.load_tokenizer(),
+                                      format=self.settings.format, card=self._card(record, final),
                                       license_from=pl_module.pretrained if pl_module.model_config is None else None)
                     bar.update(1)
                 record.times_s["export"] = time.perf_counter() - t0
                 record.export_dir = str(self.out_dir / "model")
         self._measure_final(trainer, pl_module, sharded)
         if trainer.is_global_zero and record.export_dir:  # the card again, now with the recovered perplexity
-            atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, pl_module))
+            atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, final))
         if trainer.is_global_zero:
             report = record.to_dict()
             if self.settings.figures:
@@ -86,22 +86,22 @@ class ExportCallback(L.Callback):
         if trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-export")  # no rank leaves fit before the export is on disk
 
-    def _card(self, record, pl_module) -> str:
+    def _card(self, record, model) -> str:
         """The model card of the exported folder from the record so far (see prunelight.model_card)."""
-        config = export_config(pl_module.model, self.settings.format)  # what config.json states (fallback family)
+        config = export_config(model, self.settings.format)  # what config.json states (fallback family)
         return model_card(record.to_dict(), config=config, command=_command_line())
 
-    def _merge(self, trainer: L.Trainer, pl_module, sharded: bool) -> None:
-        """Fold LoRA into the weights; under ZeRO-3 into a gathered CPU copy on rank 0."""
+    def _merge(self, trainer: L.Trainer, pl_module, sharded: bool):
+        """The model to export, LoRA folded in: the module's own, or under ZeRO-3 a gathered CPU copy on rank 0.
+
+        The module keeps its (partitioned) model: the copy is the callback's, for export only.
+        """
         if not sharded:
             pl_module.merge_lora()
-            return
+            return pl_module.model
         # merging in place would write into partitioned placeholders
         lora = pl_module.lora if pl_module.lora_active else None
-        merged = gathered_merged_copy(pl_module.model, lora, keep=trainer.is_global_zero)
-        pl_module.lora_active = False
-        if merged is not None:
-            pl_module.model = merged
+        return gathered_merged_copy(pl_module.model, lora, keep=trainer.is_global_zero)
 
     def _measure_final(self, trainer: L.Trainer, pl_module, sharded: bool) -> None:
         """Measure the recovered model (or the dense one when nothing was cut)."""
@@ -140,14 +140,4 @@ def _command_line() -> str | None:
     return shlex.join(["prunelight", *sys.argv[1:]]) if ours else None
 
 
-def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=None) -> list[L.Callback]:
-    """The pruning job's two callbacks sharing one evaluator (what `prunelight fit` adds to the Trainer)."""
-    from prunelight.callbacks.pruning import PruningCallback
-
-    evaluator = RunEvaluator(evaluation)
-    export = export or ExportSettings()
-    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, uniform_shape=export.uniform_shape),
-            ExportCallback(export, evaluator)]
-
-
-__all__ = ["ExportCallback", "job_callbacks"]
+__all__ = ["ExportCallback"]

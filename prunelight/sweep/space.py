@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import json
 import math
+import subprocess
 import sys
-import unittest.mock
 from typing import Any
+
+import yaml
 
 from prunelight.settings import SettingsError, _bad
 
@@ -100,18 +100,17 @@ def nested(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolved_config(base: list[str]) -> dict[str, Any]:
-    """The run config the base file(s) give, with every default filled in (`prunelight fit --print_config`)."""
-    import yaml
+    """The run config the base file(s) give, with every default filled in (`prunelight fit --print_config`).
 
-    from prunelight.cli import cli_main
-
+    Read from a `prunelight` subprocess, as the trials run: the sweep never runs the CLI in its own process.
+    """
     args = ["fit"] + [a for b in base for a in ("--config", b)] + ["--print_config"]
-    buf = io.StringIO()
-    # sys.argv is the sweep's own command line; LightningCLI warns when it sees both it and `args`.
-    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit), \
-            unittest.mock.patch.object(sys, "argv", sys.argv[:1]):
-        cli_main(args)
-    return yaml.safe_load(buf.getvalue()) or {}
+    done = subprocess.run([sys.executable, "-m", "prunelight", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        raise ValueError(lines[-1].removeprefix("prunelight: error: ") if lines else
+                         f"prunelight fit --print_config exited with status {done.returncode}")
+    return yaml.safe_load(done.stdout) or {}
 
 
 def _lookup(config: dict, key: str) -> tuple[bool, list[str]]:

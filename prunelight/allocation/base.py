@@ -1,0 +1,82 @@
+"""The types every allocation shares: the shape constraint, what an allocation is given, what it returns, its row.
+
+An allocation is one function per shape constraint it honours, `(AllocationInputs) -> Removal`, and one
+`Allocation` row in `allocation.registry` that states what it needs and checks. `allocation.allocate`
+does the rest (score checks, the shape's finishing step, the plan and its figures).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prunelight.allocation.budget import Budget, Removed
+from prunelight.importance.base import UnitScores
+
+if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
+    from prunelight.settings import PruneSettings
+
+
+class Shape(enum.Enum):
+    """The layer-shape constraint a cut must honour; `export.format` chooses it (`shapes.EXPORT_SHAPES`)."""
+
+    FREE = "free"  # per-layer widths (export.format: auto)
+    UNIFORM = "uniform"  # one shape in every kept layer: a stock config (export.format: stock)
+
+
+@dataclass(frozen=True)
+class AllocationInputs:
+    """What an allocation function is given: the budget, the unit scores, the settings and the measured extras."""
+
+    budget: Budget
+    scores: UnitScores
+    settings: PruneSettings
+    layer_scores: Sequence[float] | None = None  # layer importance (rows with layer_importance=True)
+    block_scores: dict[str, Sequence[float]] | None = None  # measured sub-block removal (rows that ask for it)
+    attn_share: float | None = None  # the attention share of the budget (fixed split, or the split search's try)
+    groups_removed: int | None = None  # Shape.UNIFORM: the groups removed per layer, when the search fixes it
+
+
+@dataclass
+class Removal:
+    """An allocation's answer: the units (and whole layers) it removes and what it adds to `plan.meta`."""
+
+    removed: Removed
+    drop: set[int] = field(default_factory=set)
+    extra: dict[str, Any] = field(default_factory=dict)  # plan.meta entries, after "allocation"
+    exact: bool = False  # True: the count is final (no true-up to within one MLP channel of the target)
+
+
+AllocateFn = Callable[[AllocationInputs], Removal]
+Precheck = Callable[[Budget, "PruneSettings", Shape], None]
+
+
+def _never(settings: PruneSettings) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One `prune.allocation` choice: how it allocates under each shape constraint, what it needs, its checks."""
+
+    name: str
+    by_shape: Mapping[Shape, AllocateFn]
+    """The allocation function per shape constraint it honours (a missing shape is refused before any work)."""
+    layer_importance: bool = False
+    """Needs per-layer importance (`prune.layer_importance`, measured on calibration text before the cut)."""
+    block_removal: Callable[[PruneSettings], bool] = _never
+    """Whether, with these settings, it needs measured sub-block removal importance."""
+    splits: bool = False
+    """Honours an attention:MLP split (`prune.attn_mlp_split`)."""
+    kv_target: bool = False
+    """Can meet a KV-cache target (`prune.target_kv_cache`: GQA groups only)."""
+    drops_layers: bool = False
+    """May drop whole layers, so which layers stay is known only after scoring."""
+    precheck: Precheck | None = None
+    """Model-size checks before any data is read: raise a one-line ValueError when the budget cannot be met."""
+
+    def needs_data(self, settings: PruneSettings) -> bool:
+        """Whether it reads calibration text beyond the criterion's scores (layer or sub-block measures)."""
+        return self.layer_importance or self.block_removal(settings)

@@ -1,0 +1,186 @@
+"""One cut pipeline for every caller: `run_cut` (saved plan, or saved scores / scoring, then allocation,
+reconstruction and surgery) and `CutResult`, which the run record, plan.json and scores.pt are written from.
+
+`PruningCallback` (a `prunelight fit` run), `prunelight.prune` (the Python API) and the benchmark scripts
+all call `run_cut`, so a method measured anywhere is the method a run applies. `prepare_cut` is the part
+that needs no data (a saved plan read and checked, or the budget and saved scores): the callback runs it
+before measuring the dense model, so a bad saved file fails before any evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from prunelight.allocation import Budget, Shape, precheck
+from prunelight.importance import UnitScores
+from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan
+from prunelight.plan import PrunePlan
+from prunelight.reconstruct import cut_and_reconstruct
+from prunelight.record import CalibrationRecord, RunRecord
+from prunelight.saved import (
+    PLAN_FILE,
+    RUN_KEY_PARTS,
+    SCORES_FILE,
+    SavedScores,
+    check_key,
+    load_scores,
+    plan_document,
+    save_scores,
+    scores_key,
+    write_plan,
+)
+from prunelight.settings import PruneSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CutSource:
+    """What a cut starts from, read and checked before any data: a saved plan, or the budget (+ saved scores)."""
+
+    plan: PrunePlan | None = None  # prune.plan (fits the model; no budget, no scoring)
+    budget: Budget | None = None  # from `allocation.precheck` (model sizes checked)
+    saved: SavedScores | None = None  # prune.scores (key checked), or scores a benchmark measured once
+
+
+@dataclass
+class CutResult:
+    """The plan, how it was made and what the cut did: everything the record and the saved files are written from."""
+
+    plan: PrunePlan
+    budget: Budget
+    scores: UnitScores | None  # None when a saved plan was applied (nothing scored or allocated)
+    saved: SavedScores | None = None
+    reconstruction: dict[str, Any] | None = None  # prune.reconstruct's figures (None: no repair, or no surgery)
+    cut: bool = False  # whether the surgery ran (False: plan only, e.g. the DeepSpeed hand-off writes its own copy)
+    times_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def params_before(self) -> int:
+        """Parameters of the model before the cut."""
+        return self.budget.total
+
+    @property
+    def params_after(self) -> int:
+        """Parameters the plan leaves."""
+        return self.budget.total - self.plan.meta["params_removed"]
+
+
+def prepare_cut(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE,
+                calibration: dict[str, Any] | None = None, twin: nn.Module | None = None) -> CutSource:
+    """Read and check the saved plan, or measure the budget and read and check the saved scores (no data read).
+
+    `twin`: a weightless copy that stands in for ZeRO-3 partitioned weights in the size checks;
+    `calibration` is the scores key's calibration identity.
+    """
+    if settings.plan:
+        return CutSource(plan=load_plan_checked(twin or model, settings.plan))
+    budget = precheck(twin or model, settings, shape)
+    saved = None
+    if settings.scores:
+        saved = load_scores(settings.scores)
+        check_key(saved.key, scores_key(model, settings, calibration or {}), settings.scores, parts=RUN_KEY_PARTS)
+    return CutSource(budget=budget, saved=saved)
+
+
+def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], settings: PruneSettings, shape: Shape = Shape.FREE,
+            source: CutSource | None = None, reduce_sum: ReduceSum | None = None, sharded: bool = False,
+            twin: nn.Module | None = None, surgery: bool = True,
+            before_surgery: Callable[[], None] | None = None, scores: SavedScores | None = None) -> CutResult:
+    """Plan (saved plan, saved scores or a scoring pass, then allocation) and, with `surgery`, cut `model` in place.
+
+    `source` is `prepare_cut`'s answer (made here when not given). `twin` is the weightless copy that
+    counts the budget of ZeRO-3 partitioned weights (`sharded`). `before_surgery` runs just before the
+    weights change (the distillation teacher's snapshot). The cut repairs itself with `settings.reconstruct`.
+    `scores`: unit scores (and layer importance) measured earlier in this process, used as saved scores
+    (`measured_scores`; a benchmark scores once and allocates many times).
+    """
+    t0 = time.perf_counter()
+    source = source or prepare_cut(model, settings, shape, twin=twin)
+    if scores is not None:
+        source = CutSource(plan=source.plan, budget=source.budget, saved=scores)
+    scores = None
+    if source.plan is not None:
+        plan, budget = adopt_plan(twin or model, source.plan, settings.plan)
+        made = plan.meta["made_with"]
+        log.info("no scoring pass: plan from %s (made with %s / %s, ratio %s; the plan wins over this run's ratio, "
+                 "criterion and allocation); %s", settings.plan, made.get("criterion", "?"),
+                 made.get("allocation", "?"), made.get("ratio", "?"), _repair_reads(settings, batches))
+    else:
+        if source.saved is not None and source.saved.source:
+            log.info("no scoring pass: unit scores from %s (%s, %d samples); %s", source.saved.source,
+                     source.saved.key.get("criterion"), source.saved.samples, _repair_reads(settings, batches))
+        budget = source.budget
+        plan, scores = make_plan(model, batches, settings, reduce_sum=reduce_sum, sharded=sharded, budget=budget,
+                                 saved=source.saved, shape=shape)
+    result = CutResult(plan=plan, budget=budget, scores=scores, saved=source.saved)
+    result.times_s["calibration_and_allocation"] = time.perf_counter() - t0
+    if surgery:
+        if before_surgery is not None:
+            before_surgery()
+        t0 = time.perf_counter()
+        figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)  # layer by layer, each repaired
+        result.reconstruction = figures if settings.reconstruct != "none" else None
+        result.cut = True
+        result.times_s["surgery"] = time.perf_counter() - t0
+    return result
+
+
+def measured_scores(unit_scores: UnitScores, layer_importance: dict[str, list[float]] | None = None,
+                    samples: int = 0) -> SavedScores:
+    """Scores measured in this process, in the form `run_cut(scores=...)` re-allocates from (no scoring pass)."""
+    return SavedScores(unit_scores=unit_scores, key={}, layer_importance=dict(layer_importance or {}),
+                       provenance={"samples": samples})
+
+
+def record_cut(record: RunRecord, result: CutResult, settings: PruneSettings, prune_step: int,
+               seq_len: int | None = None, source: str | None = None, seed: int | None = None) -> None:
+    """Write the cut's sections of the run record from its result (the one place they are written)."""
+    made = result.plan.meta
+    record.calibration = CalibrationRecord(
+        criterion=made.get("criterion", settings.criterion), allocation=made.get("allocation", settings.allocation),
+        ratio=made.get("ratio", settings.ratio), settings=settings.as_dict(), samples=made.get("samples", 0),
+        seq_len=seq_len, source=source, seed=seed, prune_step=prune_step,
+        plan_source=settings.plan, scores_source=settings.scores, target=made.get("target"))
+    record.plan = made
+    if result.scores is not None:
+        record.unit_scores = {k: [t.tolist() for t in v] for k, v in result.scores.items()}
+    record.layer_importance = made.get("layer_importance")
+    record.params_before = result.params_before
+    record.params_after = result.params_after
+    record.prune_plan = {k: v for k, v in result.plan.to_dict().items() if k != "meta"}
+    if result.reconstruction is not None:
+        record.reconstruction = result.reconstruction
+    record.times_s.update(result.times_s)
+
+
+def write_saved(out: Path, result: CutResult, model: nn.Module, settings: PruneSettings,
+                key: dict[str, Any] | None, pretrained: str | None = None) -> None:
+    """plan.json (always) and scores.pt (when units were scored or re-allocated) into the output folder `out`."""
+    plan, saved = result.plan, result.saved
+    write_plan(out / PLAN_FILE, plan_document(plan, model, result.params_before, result.params_after, settings,
+                                              source=settings.plan))
+    if result.scores is not None:
+        save_scores(out / SCORES_FILE, result.scores, key, layer_importance=plan.meta.get("layer_importance"),
+                    block_importance=plan.meta.get("block_importance"),
+                    samples=plan.meta.get("samples"), split_search=plan.meta.get("split_search"),
+                    pretrained=pretrained, copied_from=saved.source if saved is not None else None,
+                    **({} if saved is None else {"made": saved.provenance}))
+    log.info("plan written to %s%s", out / PLAN_FILE, f", scores to {out / SCORES_FILE}" if result.scores is not None
+             else "")
+
+
+def _repair_reads(settings: PruneSettings, batches) -> str:
+    """What the cut still reads from the calibration batches (the repair only, forward)."""
+    if settings.reconstruct == "none":
+        return "no calibration batches are read"
+    n = len(list(batches)[: settings.max_calibration_batches])
+    return f"reconstruction ({settings.reconstruct}) reads {n} calibration batches, forward only"

@@ -1,0 +1,73 @@
+"""`Teacher`: the frozen dense model that distillation compares the cut student with.
+
+Snapshotted from the dense model just before the cut, or loaded on first use from its folder (after a
+resume or the DeepSpeed hand-off: `model.distillation.teacher`, else the dense `pretrained`). It is held
+by a plain object, not a registered submodule: outside the student's state_dict(), parameters(), the
+optimizer and Lightning's .train().
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+from prunelight.distill import DistillationSettings
+from prunelight.errors import check_local_path, hub_download
+from prunelight.families import unwrap
+
+log = logging.getLogger(__name__)
+
+
+class Teacher:
+    """The frozen teacher of one run, loaded as the student is (dtype, attention kernel, remote code)."""
+
+    def __init__(self, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool) -> None:
+        self.dtype, self.attn_implementation, self.trust_remote_code = dtype, attn_implementation, trust_remote_code
+        self.model: nn.Module | None = None
+
+    def snapshot(self, dense: nn.Module, device: torch.device) -> None:
+        """Keep a frozen copy of the dense model (called just before the surgery; once)."""
+        if self.model is None:
+            self._set(copy.deepcopy(unwrap(dense)), device)
+
+    def get(self, settings: DistillationSettings, dense_source: str | None, built_from_config: bool,
+            student: nn.Module, device: torch.device) -> nn.Module:
+        """The frozen teacher on `device`, loaded on first use (checked against the `student`)."""
+        if self.model is None:
+            self._set(self._load(settings, dense_source, built_from_config, student), device)
+        if self.model.device != device:
+            self.model.to(device)
+        return self.model
+
+    def _set(self, model: nn.Module, device: torch.device) -> None:
+        model = unwrap(model).to(device=device, dtype=self.dtype).eval()
+        model.requires_grad_(False)
+        self.model = model
+
+    def _load(self, settings: DistillationSettings, dense_source: str | None, built_from_config: bool,
+              student: nn.Module) -> nn.Module:
+        from transformers import AutoModelForCausalLM  # transformers' model registry is slow to import
+
+        source = settings.teacher or dense_source
+        option = "model.distillation.teacher" if settings.teacher else "model.pretrained"
+        if source is None or (built_from_config and not settings.teacher):
+            raise ValueError("model.distillation.teacher=null cannot be rebuilt for a model built from `config`: "
+                             "give model.distillation.teacher a folder")
+        check_local_path(option, source)
+        kwargs = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        with hub_download(option, source):
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        want, have = student.config.vocab_size, model.config.vocab_size
+        if want != have:
+            raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "
+                             f"tokens, the model's {want}; use a teacher with the same tokenizer")
+        if settings.hidden and model.config.hidden_size != student.config.hidden_size:
+            raise ValueError(f"model.distillation.hidden=True is not allowed with teacher {source!r}: hidden sizes "
+                             f"differ ({model.config.hidden_size} vs {student.config.hidden_size})")
+        log.info("distillation teacher loaded from %s", source)
+        return model
