@@ -14,11 +14,11 @@ from torch import nn
 
 from prunelight.distill import DistillationSettings, describe_teacher, hidden_mse, logit_distillation
 from prunelight.families import get_family, unwrap
-from prunelight.errors import check_local_path, hub_download
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
 from prunelight.settings import PruneSettings
+from prunelight import sources
 from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
 from prunelight.zero3 import hf_zero3_loading
@@ -37,6 +37,7 @@ class PruneLM(L.LightningModule):
     def __init__(
         self,
         pretrained: str = "HuggingFaceTB/SmolLM2-135M",
+        gguf_file: str | None = None,
         config: dict | None = None,
         dtype: DtypeName = "float32",
         attn_implementation: str | None = "sdpa",
@@ -60,6 +61,7 @@ class PruneLM(L.LightningModule):
         self.hparams["lora"] = (lora or LoRASettings()).as_dict()
         self.hparams["distillation"] = distillation.as_dict() if distillation else None
         self.pretrained, self.model_config = pretrained, config
+        self.gguf_file = gguf_file  # a GGUF file inside the `pretrained` folder (prunelight.sources)
         self.dtype_name = dtype
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = gradient_checkpointing
@@ -75,7 +77,7 @@ class PruneLM(L.LightningModule):
         self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
         self.distillation = distillation
-        self.dense_pretrained = pretrained  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
+        self.dense_pretrained = sources.one_value(pretrained, gguf_file)  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
         # Not a registered submodule: outside state_dict(), parameters(), the optimizer and Lightning's .train().
         object.__setattr__(self, "_teacher", None)
         self._rng_to_restore: dict | None = None
@@ -83,16 +85,18 @@ class PruneLM(L.LightningModule):
         self.val_ppl = TokenPerplexity()
 
     # --- model --------------------------------------------------------------------------------
+    def source(self) -> sources.ModelSource:
+        """Where `pretrained` (+ `gguf_file`) points: hub id, folder, GGUF file or package resource (one-line errors)."""
+        return sources.resolve_pretrained(self.pretrained, self.gguf_file)
+
     def load_config(self):
-        """The model's config alone (no weights): a local folder, a hub id, or the test `config` dict."""
+        """The model's config alone (no weights): a folder, hub id, GGUF header, or the test `config` dict."""
         from transformers import AutoConfig
 
         if self.model_config is not None:
             cfg = dict(self.model_config)
             return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        check_local_path("model.pretrained", self.pretrained)
-        with hub_download("model.pretrained", self.pretrained):
-            return AutoConfig.from_pretrained(self.pretrained, trust_remote_code=self.trust_remote_code)
+        return sources.load_config(self.source(), trust_remote_code=self.trust_remote_code)
 
     def check_pretrained(self):
         """Load the config and refuse an unsupported family before any weights or data are read."""
@@ -127,8 +131,10 @@ class PruneLM(L.LightningModule):
         if self.model_config is not None:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
-            with hub_download("model.pretrained", self.pretrained):
-                model = AutoModelForCausalLM.from_pretrained(self.pretrained, config=config, **kwargs)
+            source = self.source()
+            model = sources.load_model(source, config=config, **kwargs)  # GGUF: dequantized to `dtype`
+            if not self.pretrained_is_pruned:  # after the DeepSpeed hand-off the record names the original source
+                self.record.source = source.describe(self.dtype_name)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -144,11 +150,7 @@ class PruneLM(L.LightningModule):
     def load_tokenizer(self):
         """The tokenizer saved with the pretrained model (None for config-built test models)."""
         if self.tokenizer is None and self.model_config is None:
-            from transformers import AutoTokenizer
-
-            with hub_download("model.pretrained", self.pretrained):
-                self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained,
-                                                               trust_remote_code=self.trust_remote_code)
+            self.tokenizer = sources.load_tokenizer(self.source(), trust_remote_code=self.trust_remote_code)
         return self.tokenizer
 
     @property
@@ -270,19 +272,15 @@ class PruneLM(L.LightningModule):
         object.__setattr__(self, "_teacher", model)
 
     def _load_teacher(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         source = self.distillation.teacher or self.dense_pretrained
         option = "model.distillation.teacher" if self.distillation.teacher else "model.pretrained"
         if source is None or (self.model_config is not None and not self.distillation.teacher):
             raise ValueError("model.distillation.teacher=null cannot be rebuilt for a model built from `config`: "
                              "give model.distillation.teacher a folder")
-        check_local_path(option, source)
         kwargs = dict(dtype=DTYPES[self.dtype_name], trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
-        with hub_download(option, source):
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = sources.load_model(sources.resolve_pretrained(source, option=option), option, **kwargs)
         want, have = self.base_model.config.vocab_size, model.config.vocab_size
         if want != have:
             raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "
