@@ -168,6 +168,7 @@ def test_fit_from_gguf_exports_a_plain_folder_that_reloads_with_equal_logits(tin
     assert "GGUF file" in (out / "report.md").read_text() and "Q8_0 quantization" in (out / "report.md").read_text()
     config = json.loads((out / "model" / "config.json").read_text())
     assert "quantization_config" not in config
+    assert "base_model: null" in (out / "model" / "README.md").read_text(), "a GGUF file is not a hub id"
     assert list((out / "model").glob("*.safetensors")) and not list((out / "model").glob("*.gguf"))
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32, trust_remote_code=True,
                                                     attn_implementation="eager")
