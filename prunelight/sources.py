@@ -113,8 +113,7 @@ class ModelSource:
         """What the run report records: the value, the format, and for GGUF the file and its quantization."""
         out: dict[str, Any] = {"value": self.value, "dtype": dtype}
         if self.gguf_file:
-            out.update(format="gguf", gguf_file=str(self.gguf_path), quantization=gguf_quantization(self.gguf_path),
-                       dequantized_to=dtype)
+            out.update(format="gguf", gguf_file=str(self.gguf_path), quantization=gguf_quantization(self.gguf_path))
         else:
             out["format"] = "folder" if Path(self.location).is_dir() else "hub"
         return out

@@ -129,7 +129,7 @@ def test_gguf_dequantizes_to_the_requested_dtype_as_a_plain_model(tiny_gguf):
     bf16 = sources.load_model(src, dtype=torch.bfloat16, attn_implementation="eager")
     assert next(bf16.parameters()).dtype == torch.bfloat16
     assert src.describe("float32") == {"value": str(path), "dtype": "float32", "format": "gguf",
-                                       "gguf_file": str(path), "quantization": "Q8_0", "dequantized_to": "float32"}
+                                       "gguf_file": str(path), "quantization": "Q8_0"}
 
 
 def test_f32_gguf_loads_exactly_the_weights_it_was_written_from(tmp_path):
