@@ -35,7 +35,8 @@ StreamProtocol = Literal["lines", "paper", "paper_c4"]
 @dataclass
 class TextSource:
     """Where text comes from: local `path` (file, folder or glob of .txt/.jsonl; `pkg://<package>/<path>` names
-    text shipped inside an installed package, e.g. pkg://prunelight/texts/alice_calibration.txt) or a hub `dataset`."""
+    text shipped inside an installed package, e.g. pkg://prunelight/texts/alice_calibration.txt) or a hub
+    `dataset`."""
 
     path: str | None = None
     dataset: str | None = None

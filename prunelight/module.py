@@ -77,7 +77,8 @@ class PruneLM(L.LightningModule):
         self.handoff: dict | None = None  # set by PruningCallback when recovery must restart in a fresh engine
         self.lora_active = False
         self.distillation = distillation
-        self.dense_pretrained = sources.one_value(pretrained, gguf_file)  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
+        # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
+        self.dense_pretrained = sources.one_value(pretrained, gguf_file)
         # Not a registered submodule: outside state_dict(), parameters(), the optimizer and Lightning's .train().
         object.__setattr__(self, "_teacher", None)
         self._rng_to_restore: dict | None = None
@@ -86,7 +87,7 @@ class PruneLM(L.LightningModule):
 
     # --- model --------------------------------------------------------------------------------
     def source(self) -> sources.ModelSource:
-        """Where `pretrained` (+ `gguf_file`) points: hub id, folder, GGUF file or package resource (one-line errors)."""
+        """Where `pretrained` (+ `gguf_file`) points: hub id, folder, GGUF file or package resource."""
         return sources.resolve_pretrained(self.pretrained, self.gguf_file)
 
     def load_config(self):

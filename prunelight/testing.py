@@ -179,7 +179,7 @@ def allocate_flat(model, scores, ratio: float, allocation: str = "global", layer
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's 256 byte-level symbols (each byte as a printable character), in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:

@@ -93,8 +93,10 @@ def test_resolution_of_each_kind_of_value(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize("case, match", [
     ("missing_file", r"model.pretrained='.*missing.gguf' does not exist \(a .gguf file was expected\)"),
-    ("gguf_file_not_in_folder", r"model.gguf_file='other.gguf' is not in model.pretrained=.* \(it holds tiny.Q8_0.gguf\)"),
-    ("gguf_file_with_hub_id", r"model.gguf_file='m.gguf' is not allowed with the hub id .*hf download org/model m.gguf"),
+    ("gguf_file_not_in_folder",
+     r"model.gguf_file='other.gguf' is not in model.pretrained=.* \(it holds tiny.Q8_0.gguf\)"),
+    ("gguf_file_with_hub_id",
+     r"model.gguf_file='m.gguf' is not allowed with the hub id .*hf download org/model m.gguf"),
     ("gguf_file_with_file", r"model.gguf_file='tiny.Q8_0.gguf' is not allowed: .* already names a file"),
     ("gguf_file_not_gguf", r"model.gguf_file='model.bin' is not allowed: give the name of a .gguf file"),
     ("other_file", r"model.pretrained='.*config.json' is not allowed: a file must be a .gguf model"),
