@@ -49,10 +49,22 @@ def go_offline() -> None:
         dsc.HF_DATASETS_OFFLINE = True
 
 
+def _is_local_model(value: str) -> bool:
+    """Whether a `model.pretrained` value names files on this machine (a folder, a GGUF file, a `pkg://` file)."""
+    from prunelight.sources import local_path
+
+    try:
+        path = local_path(value, "model.pretrained")
+    except Exception:  # a bad pkg:// value is reported by the run's own checks, with the option named
+        return False
+    return path is not None and path.exists()
+
+
 def offline_if_local(argv: list[str]) -> bool:
-    """Go offline when every model the command names is a local folder: nothing needs the network."""
+    """Go offline when every model the command names is local (folder, GGUF file, package file): nothing needs the
+    network."""
     paths = _pretrained_from_args(argv)
-    if not paths or not all(Path(p).expanduser().is_dir() for p in paths):
+    if not paths or not all(_is_local_model(p) for p in paths):
         return False
     go_offline()
     return True

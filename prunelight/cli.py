@@ -25,6 +25,7 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
 from prunelight.checks import check_run
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
+from prunelight.sources import one_value
 
 log = logging.getLogger("prunelight")
 
@@ -44,7 +45,8 @@ class PrunelightCLI(LightningCLI):
         parser.add_class_arguments(PruneSettings, "prune")
         parser.add_class_arguments(RunEvaluation, "evaluation")
         parser.add_class_arguments(ExportSettings, "export")
-        parser.link_arguments("model.pretrained", "data.tokenizer")
+        # The data's tokenizer is the model's: one value, so a GGUF folder + file name becomes the file's path.
+        parser.link_arguments(("model.pretrained", "model.gguf_file"), "data.tokenizer", compute_fn=one_value)
         # The output folder is named once: Lightning's logs and checkpoints go inside it too.
         parser.link_arguments("export.out_dir", "trainer.default_root_dir")
 
@@ -89,6 +91,7 @@ class PrunelightCLI(LightningCLI):
         # since the old one holds the engine (and optimizer state) of the uncut model.
         config = copy.deepcopy(self.config[self.subcommand])
         config.model.pretrained = handoff.folder
+        config.model.gguf_file = None  # the written folder is a Hugging Face folder, whatever the source was
         fresh = self._parser(self.subcommand).instantiate_classes(config)
         model = fresh.model
         model.adopt_pruned(handoff.plan, record=self.model.record, dense=self.model.dense_pretrained)

@@ -14,6 +14,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from prunelight.errors import PrunelightError
+
 log = logging.getLogger(__name__)
 
 
@@ -32,7 +34,9 @@ StreamProtocol = Literal["lines", "paper", "paper_c4"]
 
 @dataclass
 class TextSource:
-    """Where text comes from: local `path` (file, folder or glob of .txt/.jsonl) or a hub `dataset`."""
+    """Where text comes from: local `path` (file, folder or glob of .txt/.jsonl; `pkg://<package>/<path>` names
+    text shipped inside an installed package, e.g. pkg://prunelight/texts/alice_calibration.txt) or a hub
+    `dataset`."""
 
     path: str | None = None
     dataset: str | None = None
@@ -57,10 +61,13 @@ class TextSource:
         """Resolved local files (sorted); a clear error when nothing matches."""
         if not self.path:
             return []
-        p = Path(self.path).expanduser()
+        from prunelight.sources import is_package_resource, resource_path
+
+        packaged = is_package_resource(self.path)
+        p = resource_path(self.path, "path") if packaged else Path(self.path).expanduser()
         if p.is_dir():
             files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".jsonl"))
-        elif any(c in self.path for c in "*?["):
+        elif not packaged and any(c in self.path for c in "*?["):
             files = sorted(Path(f) for f in glob.glob(str(p)))
         else:
             files = [p] if p.exists() else []
@@ -262,9 +269,12 @@ class PruneDataModule(L.LightningDataModule):
         if self.tokenizer is None:
             if not self.tokenizer_path:
                 raise ValueError("PruneDataModule needs `tokenizer` (a hub id or local folder)")
-            from transformers import AutoTokenizer
+            from prunelight import sources
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            # A folder, hub id, GGUF file or pkg:// value, resolved as model.pretrained is.
+            self.tokenizer = sources.load_tokenizer(sources.resolve_pretrained(self.tokenizer_path,
+                                                                               option="data.tokenizer"),
+                                                    "data.tokenizer")
         return self.tokenizer
 
     def check_context(self, max_positions: int | None) -> None:
@@ -288,6 +298,8 @@ class PruneDataModule(L.LightningDataModule):
                 files = src.files()
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"data.{name}.path={err}") from None
+            except PrunelightError as err:  # a pkg:// path: the message already starts with "path=..."
+                raise PrunelightError(f"data.{name}.{err}") from None
             if not any(f.stat().st_size for f in files):
                 raise ValueError(f"data.{name}.path={src.path!r} is empty: it needs text")
 

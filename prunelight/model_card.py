@@ -44,7 +44,8 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
     model_type = cfg.get("model_type", "unknown")
     stock = not cfg.get("layer_shapes") and not cfg.get("auto_map") and not str(model_type).startswith("prunelight")
     tags = ["prunelight", "pruned", "structured-pruning", str(model_type)]
-    hub_id = base not in ("config", "unknown") and not base.startswith((".", "/", "~")) and not Path(base).exists()
+    hub_id = (base not in ("config", "unknown") and not base.startswith((".", "/", "~", "pkg://"))
+              and not base.endswith(".gguf") and not Path(base).exists())  # a GGUF or package file is no hub id
     lines = ["---", f"base_model: {base}" if hub_id else "base_model: null  # a local folder or a test config",
              "library_name: transformers", "tags:", *[f"- {t}" for t in tags], "---", "",
              f"# {base} pruned with prunelight", ""]

@@ -15,10 +15,10 @@ from prunelight.cut_state import CutState
 from prunelight import distributed
 from prunelight.distill import DistillationSettings, describe_teacher, hidden_mse, logit_distillation
 from prunelight.families import get_family, unwrap
-from prunelight.errors import check_local_path, hub_download
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
+from prunelight import sources
 from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
 from prunelight.teacher import Teacher
@@ -37,6 +37,7 @@ class PruneLM(L.LightningModule):
     def __init__(
         self,
         pretrained: str = "HuggingFaceTB/SmolLM2-135M",
+        gguf_file: str | None = None,
         config: dict | None = None,
         dtype: DtypeName = "float32",
         attn_implementation: str | None = "sdpa",
@@ -60,6 +61,7 @@ class PruneLM(L.LightningModule):
         self.hparams["lora"] = (lora or LoRASettings()).as_dict()
         self.hparams["distillation"] = distillation.as_dict() if distillation else None
         self.pretrained, self.model_config = pretrained, config
+        self.gguf_file = gguf_file  # a GGUF file inside the `pretrained` folder (prunelight.sources)
         self.dtype_name = dtype
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = gradient_checkpointing
@@ -72,23 +74,26 @@ class PruneLM(L.LightningModule):
         self.cut_state = CutState()  # whether the model is cut: the one owner of that fact
         self.lora_active = False
         self.distillation = distillation
-        self.dense_pretrained = pretrained  # the teacher's source when `pretrained` becomes the cut folder (hand-off)
+        # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
+        self.dense_pretrained = sources.one_value(pretrained, gguf_file)
         self.frozen_teacher = Teacher(DTYPES[dtype], attn_implementation, trust_remote_code)  # a plain object
         self._rng_to_restore: dict | None = None
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
 
     # --- model --------------------------------------------------------------------------------
+    def source(self) -> sources.ModelSource:
+        """Where `pretrained` (+ `gguf_file`) points: hub id, folder, GGUF file or package resource."""
+        return sources.resolve_pretrained(self.pretrained, self.gguf_file)
+
     def load_config(self):
-        """The model's config alone (no weights): a local folder, a hub id, or the test `config` dict."""
+        """The model's config alone (no weights): a folder, hub id, GGUF header, or the test `config` dict."""
         from transformers import AutoConfig
 
         if self.model_config is not None:
             cfg = dict(self.model_config)
             return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        check_local_path("model.pretrained", self.pretrained)
-        with hub_download("model.pretrained", self.pretrained):
-            return AutoConfig.from_pretrained(self.pretrained, trust_remote_code=self.trust_remote_code)
+        return sources.load_config(self.source(), trust_remote_code=self.trust_remote_code)
 
     def check_pretrained(self):
         """Load the config and refuse an unsupported family before any weights or data are read."""
@@ -111,8 +116,10 @@ class PruneLM(L.LightningModule):
         if self.model_config is not None:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
-            with hub_download("model.pretrained", self.pretrained):
-                model = AutoModelForCausalLM.from_pretrained(self.pretrained, config=config, **kwargs)
+            source = self.source()
+            model = sources.load_model(source, config=config, **kwargs)  # GGUF: dequantized to `dtype`
+            if not self.pretrained_is_pruned:  # after the DeepSpeed hand-off the record names the original source
+                self.record.source = source.describe(self.dtype_name)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -128,11 +135,7 @@ class PruneLM(L.LightningModule):
     def load_tokenizer(self):
         """The tokenizer saved with the pretrained model (None for config-built test models)."""
         if self.tokenizer is None and self.model_config is None:
-            from transformers import AutoTokenizer
-
-            with hub_download("model.pretrained", self.pretrained):
-                self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained,
-                                                               trust_remote_code=self.trust_remote_code)
+            self.tokenizer = sources.load_tokenizer(self.source(), trust_remote_code=self.trust_remote_code)
         return self.tokenizer
 
     @property

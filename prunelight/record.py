@@ -44,6 +44,7 @@ class RunRecord:
 
     # load
     model: str | None = None  # the pretrained folder or hub id ("config" for test models built from a config)
+    source: dict[str, Any] | None = None  # how it loaded: format (hub, folder, gguf), GGUF file, quantization, dtype
     # calibrate, score, allocate
     calibration: CalibrationRecord | None = None
     plan: dict[str, Any] | None = None  # PrunePlan.meta: budget figures, layer rates, split search

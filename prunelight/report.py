@@ -118,6 +118,14 @@ def recovery_line(rec: dict) -> str:
     return line
 
 
+def source_line(source: dict) -> str:
+    """How the model was loaded, in one line: the format, and for GGUF the file, its quantization and the dtype."""
+    if source.get("format") == "gguf":
+        return (f"GGUF file `{source.get('gguf_file')}` ({source.get('quantization') or 'unknown'} quantization), "
+                f"dequantized to {source.get('dtype')}")
+    return f"{source.get('format')} `{source.get('value')}` in {source.get('dtype')}"
+
+
 def render_markdown(report: dict) -> str:
     """A short human-readable summary of a run report."""
     ppl = report.get("ppl", {})
@@ -129,6 +137,7 @@ def render_markdown(report: dict) -> str:
         "",
         *([warn, ""] if warn else []),
         f"Model: `{report.get('model', 'n/a')}`  ",
+        *([f"Loaded from: {source_line(report['source'])}  "] if report.get("source") else []),
         *([f"Criterion: `{cal.get('criterion')}`, allocation: `{cal.get('allocation')}`, target ratio: {cal.get('ratio')}  "] if cal else []),
         *([f"Recovery: {recovery_line(report['recovery'])}  "] if report.get("recovery") else []),
     ]

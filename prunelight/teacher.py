@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from prunelight.distill import DistillationSettings
-from prunelight.errors import check_local_path, hub_download
+from prunelight import sources
 from prunelight.families import unwrap
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,16 @@ class Teacher:
 
     def _load(self, settings: DistillationSettings, dense_source: str | None, built_from_config: bool,
               student: nn.Module) -> nn.Module:
-        from transformers import AutoModelForCausalLM  # transformers' model registry is slow to import
-
         source = settings.teacher or dense_source
         option = "model.distillation.teacher" if settings.teacher else "model.pretrained"
         if source is None or (built_from_config and not settings.teacher):
             raise ValueError("model.distillation.teacher=null cannot be rebuilt for a model built from `config`: "
                              "give model.distillation.teacher a folder")
-        check_local_path(option, source)
         kwargs = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
-        with hub_download(option, source):
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        # A hub id, a folder, a GGUF file or a pkg:// resource, resolved as `model.pretrained` is.
+        model = sources.load_model(sources.resolve_pretrained(source, option=option), option, **kwargs)
         want, have = student.config.vocab_size, model.config.vocab_size
         if want != have:
             raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "

@@ -175,3 +175,99 @@ def allocate_flat(model, scores, ratio: float, allocation: str = "global", layer
     settings = settings_of(ratio, allocation=allocation, **options)
     return allocate(precheck(model, settings), scores, settings, layer_scores=layer_scores,
                     block_scores=block_scores, attn_share=attn_share)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 byte-level symbols (each byte as a printable character), in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def make_tiny_gguf(path, seed: int = 0, quantization: str = "F32", **overrides):
+    """Write a tiny random Llama as a GGUF file (what llama.cpp's converter writes) and return (path, HF model).
+
+    The GGUF's weights are the returned model's (q/k rows permuted the way llama.cpp stores them, which
+    transformers undoes on load); `quantization` F32 or Q8_0 (rows are multiples of 32); a byte-level BPE
+    tokenizer of 256 byte symbols, 3 merges and 3 specials. Tests load it through transformers' own GGUF support.
+    """
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>"]
+    merges = ["t h", "h e", "\u0120 t"]  # a few merges: an empty list makes transformers look for SentencePiece scores
+    tokens = specials + _byte_level_alphabet() + [m.replace(" ", "") for m in merges]
+    cfg = dict(vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, unk_token_id=0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+               rms_norm_eps=1e-5, rope_theta=10000.0)
+    cfg.update(overrides)
+    model = tiny_model("llama", seed=seed, **cfg).eval()
+    c = model.config
+    qtype = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}[quantization]
+    ftype = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quantization]
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's rotary layout of q/k rows
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else 10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(ftype)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+
+    def put(name: str, t: torch.Tensor, quantize: bool = True) -> None:
+        a = t.detach().float().numpy()
+        if quantize and a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+
+    sd = model.state_dict()
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = permute(sd[p + "self_attn.q_proj.weight"].numpy(), c.num_attention_heads)
+        k = permute(sd[p + "self_attn.k_proj.weight"].numpy(), c.num_key_value_heads)
+        put(f"blk.{i}.attn_q.weight", torch.from_numpy(np.ascontiguousarray(q)))
+        put(f"blk.{i}.attn_k.weight", torch.from_numpy(np.ascontiguousarray(k)))
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], quantize=False)
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], quantize=False)
+    put("output_norm.weight", sd["model.norm.weight"], quantize=False)
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, model

@@ -43,7 +43,7 @@ def inherit_run_data(settings: EvaluationSettings, report: dict) -> EvaluationSe
             changes["ppl_datasets"] = {k: TextSource(**v) for k, v in recorded["ppl_datasets"].items()}
         else:
             src = (report.get("eval") or {}).get("source")
-            if src and Path(src).expanduser().exists():
+            if src and (str(src).startswith("pkg://") or Path(src).expanduser().exists()):
                 changes["ppl_datasets"] = {f"{Path(src).parent.name}/{Path(src).name}": TextSource(path=src)}
     if settings.zeroshot_data_dir is None and recorded.get("zeroshot_data_dir"):
         changes["zeroshot_data_dir"] = recorded["zeroshot_data_dir"]
@@ -54,10 +54,12 @@ def inherit_run_data(settings: EvaluationSettings, report: dict) -> EvaluationSe
 
 
 def _load(path: str, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from prunelight import sources
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    # A folder, hub id, GGUF file or pkg:// value: a run's dense model is named as its model.pretrained was.
+    source = sources.resolve_pretrained(path, option="models")
+    model = sources.load_model(source, "models", dtype=DTYPES[dtype]).to(device).eval()
+    return model, sources.load_tokenizer(source, "models")
 
 
 def evaluate(

@@ -120,10 +120,15 @@ class RunEvaluator:
                                         "seq_len": dm.eval_seq_len, "batch_size": dm.eval_batch_size,
                                         "max_eval_blocks": getattr(dm, "max_eval_blocks", None)}
         suite = self.settings.suite.as_dict() if self.settings.suite is not None else None
-        return {"model": str(path.resolve()) if path.is_dir() else str(pl_module.pretrained), "files": files,
-                **{k: hp.get(k) for k in ("dtype", "attn_implementation", "trust_remote_code")},
-                "data_eval": self.settings.data_eval, "max_eval_batches": self.max_eval_batches, "eval": data,
-                "suite": suite}
+        if path.is_file():  # a GGUF file
+            files = [[path.name, path.stat().st_size, int(path.stat().st_mtime)]]
+        key = {"model": str(path.resolve()) if path.exists() else str(pl_module.pretrained), "files": files,
+               **{k: hp.get(k) for k in ("dtype", "attn_implementation", "trust_remote_code")},
+               "data_eval": self.settings.data_eval, "max_eval_batches": self.max_eval_batches, "eval": data,
+               "suite": suite}
+        if hp.get("gguf_file"):  # only when set, so the keys of folder and hub models stay as they were
+            key["gguf_file"] = hp["gguf_file"]
+        return key
 
     def _dense_file(self, key: dict[str, Any]):
         import hashlib

@@ -41,6 +41,8 @@ def _get(config: dict, dotted: str, default: Any = None) -> Any:
 def model_fingerprint(pretrained: str) -> dict[str, Any]:
     """A local model folder's weight files by name, size and modification time (a hub id is kept as named)."""
     path = Path(str(pretrained)).expanduser()
+    if path.is_file():  # a GGUF file
+        return {"path": str(path.resolve()), "files": [[path.name, path.stat().st_size, int(path.stat().st_mtime)]]}
     if not path.is_dir():
         return {"id": str(pretrained)}
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
