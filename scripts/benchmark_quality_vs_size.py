@@ -614,6 +614,16 @@ def _paper_batches(args: argparse.Namespace) -> list[torch.Tensor]:
     return list(torch.split(blocks, max(1, args.eval_batch_size * args.seq_len // args.paper_seq_len)))
 
 
+def _dist_version(name: str) -> str:
+    """An installed distribution's version ('?' when unknown)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
 def _tiny_setup(family: str, folder: Path) -> tuple[str, str, str]:
     from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
@@ -717,7 +727,7 @@ def main(argv: list[str] | None = None) -> None:
         print(peer_note, flush=True)
         setups = []
     elif tp is not None:
-        peer_note = f"torch_pruning {getattr(tp, '__version__', '?')}"
+        peer_note = f"torch_pruning {getattr(tp, '__version__', None) or _dist_version('torch-pruning')}"
 
     name = args.name or ("quality_tiny_" + args.tiny_family if args.tiny_family else "quality_" + Path(args.model).name)
     out_dir = Path(args.out_dir)
@@ -777,7 +787,8 @@ def main(argv: list[str] | None = None) -> None:
             "calibration": f"{data_meta['calibration_samples']} x {args.seq_len} tokens of "
                            f"{Path(args.calibration).parent.name}/{Path(args.calibration).name} (seed {args.seed})",
             "eval_name": f"{Path(args.eval).parent.name}/{Path(args.eval).name}",
-            "threads": args.threads, "torch": torch.__version__, "peer": peer_note,
+            "threads": args.threads, "torch": torch.__version__,
+            "peer": peer_note or (old_meta.get("peer") if same else None),
             "machine": f"{platform.machine()} {os.cpu_count()} CPU(s)", "date": time.strftime("%Y-%m-%d"),
         }
         if args.eval_chars:
