@@ -508,12 +508,16 @@ def markdown_grid(meta: dict, rows: list[dict]) -> str:
     if zs:
         tasks = list(zs[0][1]["tasks"])
         lines += [f"### Zero-shot accuracy (%, ± binomial standard error), first {zs[0][1]['limit']} rows per task",
-                  "", "| model | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+                  "", "| model | " + " | ".join(tasks) + " | average | average, acc_norm where defined |",
+                  "|---|" + "---:|" * (len(tasks) + 2)]
         for label, z in zs:
+            norm = [t.get("acc_norm", t["acc"]) for t in z["tasks"].values()]
             lines.append(f"| {label} | " + " | ".join(_zs(z["tasks"][t]) for t in tasks)
-                         + f" | **{100 * z['average']:.1f} ± {100 * z['average_stderr']:.1f}** |")
-        lines += ["", f"acc (not acc_norm), lm-eval {zs[0][1]['lm_eval']} on the local sets of ../shared/data/zeroshot; "
-                  "the average's error is sqrt(sum of the tasks' variances) / 7.", ""]
+                         + f" | **{100 * z['average']:.1f} ± {100 * z['average_stderr']:.1f}** | "
+                         f"{100 * sum(norm) / len(norm):.1f} |")
+        lines += ["", f"acc per task (acc_norm only in the last column), lm-eval {zs[0][1]['lm_eval']} on the local "
+                  "sets of ../shared/data/zeroshot; standard error sqrt(acc (1 - acc) / (n - 1)) per task, and "
+                  "sqrt(sum of the tasks' variances) / 7 for the average.", ""]
     peers = [r for r in rows if r.get("kind") == "peer"]
     if peers:
         lines += [f"Torch-Pruning ({meta.get('peer')}) runs the own protocol only; its failures are quoted as raised.",
