@@ -39,6 +39,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -471,8 +472,13 @@ def markdown_grid(meta: dict, rows: list[dict]) -> str:
                      f"dense **{dense_p:.2f}**.")
     if meta.get("reduced"):
         lines.append(f"- **reduced grid**: {meta['reduced']}")
-    lines += ["- commands (in order; each resumes the JSON of the one before):", ""]
-    lines += [f"      {c}" for c in meta.get("commands", [])] + [""]
+    commands = [shlex.split(c) for c in meta.get("commands", [])]
+    common = os.path.commonprefix(commands) if len(commands) > 1 else []
+    lines += ["- commands (in order; each resumes the JSON of the one before)"
+              + (", all starting with the first line:" if common else ":"), ""]
+    if common:
+        lines.append("      " + shlex.join(common))
+    lines += [f"      {'... ' if common else ''}{shlex.join(c[len(common):])}" for c in commands] + [""]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     at = {(r["method"], round(r["target"], 6)): r for r in rows}
     for title, key, base in (("Perplexity, the run's own protocol (x dense)", "ppl", dense),
@@ -531,6 +537,7 @@ def figure_grid(meta: dict, rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = [r for r in rows if "ppl" in r]
     methods = list(dict.fromkeys(r["method"] for r in ok))
@@ -559,6 +566,8 @@ def figure_grid(meta: dict, rows: list[dict], path: Path) -> None:
         bx.barh([b[1] for b in bars], [b[0] for b in bars],
                 color=["black" if b[1] == DEFAULT_GRID_LABEL else "tab:blue" for b in bars])
         bx.set_xscale("log")
+        bx.set_xlim(left=1.0)  # bars start at dense
+        bx.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         bx.axvline(2.0, color="red", ls=":", label="target for every criterion: 2x")
         bx.axvline(1.2, color="green", ls=":", label="target for the default: 1.2x")
         bx.legend(fontsize=7)
