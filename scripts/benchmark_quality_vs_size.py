@@ -39,6 +39,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,145 @@ def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], 
             except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run
                 row["error"] = f"{type(err).__name__}: {err}"
             on_row(row)
+
+
+# --------------------------------------------------------------------------------------------- the grid
+# `--grid CRITERIA:ALLOCATIONS:RATIOS` (each a comma list or "all"): every criterion x allocation x ratio, one
+# row each, labelled "<criterion> / <allocation>", cut with --reconstruct (the run's default: least_squares).
+DEFAULT_GRID_LABEL = "flap / global"
+
+
+def grid_label(criterion: str, allocation: str, reconstruct: str = "least_squares") -> str:
+    """The row label of one grid cell ('flap / global'; the reconstruction named when it is not least_squares)."""
+    return f"{criterion} / {allocation}" + ("" if reconstruct == "least_squares" else f" ({reconstruct})")
+
+
+def parse_grid(specs: list[str], ratios_default: list[float]) -> list[tuple[str, str, float]]:
+    """Expand 'CRITERIA:ALLOCATIONS[:RATIOS]' specs into (criterion, allocation, ratio) cells, first seen first."""
+    from prunelight.importance import CRITERIA
+    from prunelight.settings import ALLOCATIONS
+
+    cells: list[tuple[str, str, float]] = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"--grid {spec!r}: expected CRITERIA:ALLOCATIONS[:RATIOS]")
+        crits = list(CRITERIA) if parts[0] == "all" else [c for c in parts[0].split(",") if c]
+        allocs = list(ALLOCATIONS) if parts[1] == "all" else [a for a in parts[1].split(",") if a]
+        ratios = [float(r) for r in parts[2].split(",") if r] if len(parts) == 3 else ratios_default
+        bad = [c for c in crits if c not in CRITERIA] + [a for a in allocs if a not in ALLOCATIONS]
+        bad += [r for r in ratios if not 0 < r < 1]
+        if bad:
+            raise ValueError(f"--grid {spec!r}: unknown {bad}; criteria {', '.join(CRITERIA)}; "
+                             f"allocations {', '.join(ALLOCATIONS)}; ratios in (0, 1)")
+        for r in ratios:  # the ratios in the order given: the first ratio's cells are run (and recorded) first
+            for a in allocs:
+                for c in crits:
+                    if (c, a, r) not in cells:
+                        cells.append((c, a, r))
+    return cells
+
+
+def plan_summary(plan) -> dict:
+    """What a plan cuts, in a few numbers: KV groups removed, layers losing attention, MLP widths, dropped layers."""
+    kept = [i for i in range(len(plan.layers)) if i not in plan.drop_layers]
+    widths = [len(plan.layers[i].keep_channels) for i in kept]
+    groups = [len(plan.layers[i].keep_groups) for i in kept]
+    return {"layers_dropped": list(plan.drop_layers),
+            "attn_removed_layers": sum(1 for i, g in zip(kept, groups) if g == 0),
+            "groups_kept": groups, "mlp_kept": widths,
+            "mlp_kept_min": min(widths) if widths else 0, "mlp_kept_max": max(widths) if widths else 0,
+            "attn_share_removed": plan.meta.get("attn_share_removed")}
+
+
+def evaluate_protocols(model, protocols: dict[str, list]) -> dict:
+    """Perplexity under each protocol: {'own': {...}, 'paper': {...}} with ppl, nll, tokens."""
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+
+    return {name: evaluate_perplexity(model, batches) for name, batches in protocols.items()}
+
+
+def zeroshot_result(model, tokenizer, data_dir: str, limit: int, batch_size: int) -> dict:
+    """Zero-shot acc per task on the first `limit` rows, with binomial standard errors and the mean's."""
+    from prunelight.evaluation.zeroshot import TASKS, evaluate_zeroshot
+
+    t0 = time.perf_counter()
+    res = evaluate_zeroshot(model, tokenizer, tasks=list(TASKS), data_dir=data_dir, limit=limit,
+                            batch_size=batch_size)
+    tasks = {}
+    for task, r in res["tasks"].items():
+        n = int(r["samples"] or limit)
+        acc = float(r["acc"])
+        tasks[task] = {"acc": acc, "stderr": (acc * (1 - acc) / max(n - 1, 1)) ** 0.5, "n": n,
+                       **({"acc_norm": r["acc_norm"]} if "acc_norm" in r else {})}
+    k = len(tasks)
+    mean = sum(t["acc"] for t in tasks.values()) / k
+    se = sum(t["stderr"] ** 2 for t in tasks.values()) ** 0.5 / k
+    return {"tasks": tasks, "average": mean, "average_stderr": se, "limit": limit,
+            "lm_eval": res["lm_eval_version"], "seconds": time.perf_counter() - t0}
+
+
+def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, str, float]], reconstruct: str,
+             extra: dict, done: set, zeroshot_for: set, zeroshot_fn, on_row) -> None:
+    """Score once per criterion (and layer measure), then per cell allocate, cut a fresh copy, evaluate."""
+    from benchmark_methods import allocation_settings
+
+    from prunelight.allocation import allocate, precheck
+    from prunelight.calibration import run_calibration
+    from prunelight.importance import build_criterion
+    from prunelight.layer_importance import layer_importances
+    from prunelight.reconstruct import cut_and_reconstruct
+
+    scores_of: dict[str, tuple] = {}
+    layer_of: dict[str, tuple] = {}
+    total = sum(p.numel() for p in model.parameters())
+    for criterion, allocation, ratio in cells:
+        label = grid_label(criterion, allocation, reconstruct)
+        if (label, round(ratio, 6)) in done:
+            continue
+        row: dict = {"method": label, "kind": "grid", "criterion": criterion, "allocation": allocation,
+                     "reconstruct": reconstruct, "target": ratio}
+        t0 = time.perf_counter()
+        try:
+            settings = allocation_settings(allocation, criterion, {}, ratio, extra.get(allocation, {}))
+            settings = dataclasses.replace(settings, reconstruct=reconstruct)
+            if criterion not in scores_of:
+                crit = build_criterion(criterion)
+                ts = time.perf_counter()
+                scores_of[criterion] = (run_calibration(model, calib if crit.needs_data else [], crit),
+                                        time.perf_counter() - ts)
+            row["scoring_s"] = scores_of[criterion][1]
+            layer_scores = None
+            if allocation in ("layerwise", "depth"):
+                name = settings.layer_importance
+                if name not in layer_of:
+                    ts = time.perf_counter()
+                    imp = layer_importances(model, calib[: settings.importance_batches], [name])[name]
+                    layer_of[name] = (imp, time.perf_counter() - ts)
+                layer_scores = layer_of[name][0]
+                row["layer_importance"] = {"measure": name, "batches": settings.importance_batches,
+                                           "seconds": layer_of[name][1]}
+            plan = allocate(precheck(model, settings), scores_of[criterion][0], settings, layer_scores=layer_scores)
+            row["cut"] = plan_summary(plan)
+            pruned = copy.deepcopy(model)
+            tc = time.perf_counter()
+            cut_and_reconstruct(pruned, plan, calib, settings)
+            row["cut_s"] = time.perf_counter() - tc
+            after = sum(p.numel() for p in pruned.parameters())
+            te = time.perf_counter()
+            ppl = evaluate_protocols(pruned, protocols)
+            row["eval_s"] = time.perf_counter() - te
+            row.update(ppl=ppl["own"]["ppl"], eval_tokens=ppl["own"]["tokens"], params_after=after,
+                       removed=1 - after / total)
+            if "paper" in ppl:
+                row.update(ppl_paper=ppl["paper"]["ppl"], eval_tokens_paper=ppl["paper"]["tokens"])
+            if f"{label}@{ratio:g}" in zeroshot_for and zeroshot_fn is not None:
+                row["zeroshot"] = zeroshot_fn(pruned)
+            row["seconds"] = time.perf_counter() - t0
+            del pruned
+        except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run
+            row["error"] = f"{type(err).__name__}: {err}"
+        on_row(row)
 
 
 # --------------------------------------------------------------------------------------------- the peer
@@ -283,13 +423,160 @@ def ratio_to_peer(meta: dict, rows: list[dict]) -> str:
     parts = []
     for ratio in meta["ratios"]:
         at = [r for r in rows if abs(r["target"] - ratio) < 1e-9 and "ppl" in r]
-        ours = next((r["ppl"] for r in at if r["method"] == DEFAULT_LABEL), None)
+        ours = next((r["ppl"] for r in at if r["method"] in (DEFAULT_LABEL, DEFAULT_GRID_LABEL)), None)
         peers = [r["ppl"] for r in at if r["kind"] == "peer"]
         if ours is None:
             continue
         parts.append(f"{ratio:.0%}: {ours / min(peers):.2f}" if peers else f"{ratio:.0%}: no peer result")
     return ("prunelight default / best Torch-Pruning setup, perplexity ratio (target <= 0.5): " + ", ".join(parts)
             if parts else "")
+
+
+def _cell(row: dict | None, key: str, dense: float | None) -> str:
+    """'73.9 (1.43x)', with the actual % removed where it misses the target; the error where it failed."""
+    if row is None:
+        return "—"
+    if "error" in row:
+        return f"fails: {row['error'][:80]}".replace("|", "/")
+    if key not in row:
+        return "n/a"
+    text = f"{row[key]:,.1f}" + (f" ({row[key] / dense:.2f}x)" if dense else "")
+    if abs(row["removed"] - row["target"]) > 0.005:
+        text += f" [{row['removed']:.1%}]"
+    return text
+
+
+def _zs(task: dict) -> str:
+    return f"{100 * task['acc']:.1f} ± {100 * task['stderr']:.1f}"
+
+
+def markdown_grid(meta: dict, rows: list[dict]) -> str:
+    """Tables of a grid run: perplexity under both protocols (x dense), what the cut removed, zero-shot with errors."""
+    ratios = meta["ratios"]
+    dense, dense_p = meta["dense_ppl"], meta.get("dense_ppl_paper")
+    lines = [
+        f"`{meta['model_name']}` ({meta['params_total']:,} parameters, {meta['model_type']}, "
+        f"{meta['query_heads']} query / {meta['kv_heads']} KV heads), {meta['date']}, {meta['threads']} thread(s), "
+        f"torch {meta['torch']}. No recovery; calibration {meta['calibration']}; grid rows are "
+        f"`<criterion> / <allocation>` with reconstruction `{meta.get('grid', {}).get('reconstruct', '?')}` "
+        "(the run's default); `flap / global` is the default.",
+        "",
+        f"- the run's own protocol: {meta['eval_name']}, lines joined by newlines, non-overlapping windows as the run "
+        f"makes them, {meta['eval_tokens']:,} scored tokens; dense **{dense:.2f}**.",
+    ]
+    if dense_p:
+        lines.append(f"- paper protocol: {meta['paper_protocol']}; {meta['eval_tokens_paper']:,} scored tokens; "
+                     f"dense **{dense_p:.2f}**.")
+    if meta.get("reduced"):
+        lines.append(f"- **reduced grid**: {meta['reduced']}")
+    commands = [shlex.split(c) for c in meta.get("commands", [])]
+    common = os.path.commonprefix(commands) if len(commands) > 1 else []
+    lines += ["- commands (in order; each resumes the JSON of the one before)"
+              + (", all starting with the first line:" if common else ":"), ""]
+    if common:
+        lines.append("      " + shlex.join(common))
+    lines += [f"      {'... ' if common else ''}{shlex.join(c[len(common):])}" for c in commands] + [""]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    at = {(r["method"], round(r["target"], 6)): r for r in rows}
+    for title, key, base in (("Perplexity, the run's own protocol (x dense)", "ppl", dense),
+                             ("Perplexity, paper protocol (x dense)", "ppl_paper", dense_p)):
+        if key == "ppl_paper" and not dense_p:
+            continue
+        lines += [f"### {title}", "", "| method | " + " | ".join(f"{r:.0%}" for r in ratios) + " |",
+                  "|---|" + "---:|" * len(ratios)]
+        for m in methods:
+            cells = [_cell(at.get((m, round(r, 6))), key, base) for r in ratios]
+            if all(c == "—" for c in cells):
+                continue
+            if key == "ppl_paper" and all(c in ("—", "n/a") for c in cells):
+                continue
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    ratio_line = ratio_to_peer({**meta, "ratios": ratios}, rows)
+    if ratio_line:
+        lines += [ratio_line, ""]
+    cut_rows = [r for r in rows if r.get("kind") == "grid" and "cut" in r]
+    if cut_rows:
+        lines += ["### What each cut removed", "",
+                  "| method | target | removed | attention gone (layers) | layers dropped | MLP channels kept (min-max) "
+                  "| scoring s | cut+refit s |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+        for r in cut_rows:
+            c = r["cut"]
+            lines.append(f"| {r['method']} | {r['target']:.0%} | {r['removed']:.1%} | {c['attn_removed_layers']} | "
+                         f"{len(c['layers_dropped'])} | {c['mlp_kept_min']}-{c['mlp_kept_max']} | "
+                         f"{r.get('scoring_s', 0):.0f} | {r.get('cut_s', 0):.0f} |")
+        lines.append("")
+    zs = ([("dense", meta["dense_zeroshot"])] if "dense_zeroshot" in meta else []) + [
+        (f"{r['method']} @ {r['target']:.0%}", r["zeroshot"]) for r in rows if "zeroshot" in r]
+    if zs:
+        tasks = list(zs[0][1]["tasks"])
+        lines += [f"### Zero-shot accuracy (%, ± binomial standard error), first {zs[0][1]['limit']} rows per task",
+                  "", "| model | " + " | ".join(tasks) + " | average | average, acc_norm where defined |",
+                  "|---|" + "---:|" * (len(tasks) + 2)]
+        for label, z in zs:
+            norm = [t.get("acc_norm", t["acc"]) for t in z["tasks"].values()]
+            lines.append(f"| {label} | " + " | ".join(_zs(z["tasks"][t]) for t in tasks)
+                         + f" | **{100 * z['average']:.1f} ± {100 * z['average_stderr']:.1f}** | "
+                         f"{100 * sum(norm) / len(norm):.1f} |")
+        lines += ["", f"acc per task (acc_norm only in the last column), lm-eval {zs[0][1]['lm_eval']} on the local "
+                  "sets of ../shared/data/zeroshot; standard error sqrt(acc (1 - acc) / (n - 1)) per task, and "
+                  "sqrt(sum of the tasks' variances) / 7 for the average.", ""]
+    peers = [r for r in rows if r.get("kind") == "peer"]
+    if peers:
+        lines += [f"Torch-Pruning ({meta.get('peer')}) runs the own protocol only; its failures are quoted as raised.",
+                  ""]
+    return "\n".join(lines)
+
+
+def figure_grid(meta: dict, rows: list[dict], path: Path) -> None:
+    """Left: perplexity / dense vs % removed for rows run at several ratios; right: every criterion at one ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    ok = [r for r in rows if "ppl" in r]
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    multi = [m for m in methods if sum(r["method"] == m for r in ok) > 1]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for m in multi:
+        pts = sorted((r["removed"] * 100, r["ppl"] / meta["dense_ppl"]) for r in ok if r["method"] == m)
+        style = dict(lw=2.5, color="black") if m == DEFAULT_GRID_LABEL else {}
+        ax.plot(*zip(*pts), marker="o", label=m, **style)
+        paper = sorted((r["removed"] * 100, r["ppl_paper"] / meta["dense_ppl_paper"]) for r in ok
+                       if r["method"] == m and "ppl_paper" in r)
+        if paper and m == DEFAULT_GRID_LABEL:
+            ax.plot(*zip(*paper), marker="s", ls="--", color="grey", label=f"{m}, paper protocol")
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_yscale("log")
+    ax.set_xlabel("% of parameters removed")
+    ax.set_ylabel("perplexity / dense (log), run's own protocol")
+    ax.set_title("allocations (no recovery)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    single = sorted({round(r["target"], 6) for r in ok if r["method"] not in multi} or {0.2})
+    ratio = single[0]
+    bars = sorted(((r["ppl"] / meta["dense_ppl"], r["method"]) for r in ok if abs(r["target"] - ratio) < 1e-6
+                   and (r.get("allocation") == "global" or r.get("kind") == "peer")), reverse=True)
+    if bars:
+        bx.barh([b[1] for b in bars], [b[0] for b in bars],
+                color=["black" if b[1] == DEFAULT_GRID_LABEL else "tab:blue" for b in bars])
+        bx.set_xscale("log")
+        bx.set_xlim(left=1.0)  # bars start at dense
+        bx.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        bx.axvline(2.0, color="red", ls=":", label="target for every criterion: 2x")
+        bx.axvline(1.2, color="green", ls=":", label="target for the default: 1.2x")
+        bx.legend(fontsize=7)
+    bx.set_xlabel(f"perplexity / dense at {ratio:.0%} (log)")
+    bx.set_title(f"criteria, global allocation, {ratio:.0%}")
+    bx.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"{meta['model_name']}: quality vs size, no recovery ({meta['date']})")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def figure(meta: dict, rows: list[dict], path: Path) -> None:
@@ -324,6 +611,29 @@ def figure(meta: dict, rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
+def _paper_batches(args: argparse.Namespace) -> list[torch.Tensor]:
+    """The paper protocol's windows: --eval rows joined by blank lines, BOS once, --paper-seq-len windows."""
+    from transformers import AutoTokenizer
+
+    from prunelight.data import TextSource, pack_blocks, tokenize_source
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    blocks = pack_blocks(tokenize_source(tok, TextSource(path=str(args.eval), protocol="paper")), args.paper_seq_len)
+    if args.paper_windows:
+        blocks = blocks[: args.paper_windows]
+    return list(torch.split(blocks, max(1, args.eval_batch_size * args.seq_len // args.paper_seq_len)))
+
+
+def _dist_version(name: str) -> str:
+    """An installed distribution's version ('?' when unknown)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
 def _tiny_setup(family: str, folder: Path) -> tuple[str, str, str]:
     from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
@@ -345,7 +655,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
     p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
-    p.add_argument("--methods", default=",".join(METHOD_KEYS), help=f"prunelight rows: {', '.join(METHOD_KEYS)}")
+    p.add_argument("--methods", default=None,
+                   help=f"prunelight rows: {', '.join(METHOD_KEYS)} (default: all, or none when --grid is given)")
+    p.add_argument("--grid", action="append", default=[], metavar="CRITERIA:ALLOCATIONS[:RATIOS]",
+                   help="grid rows '<criterion> / <allocation>': comma lists or 'all' (every criterion / allocation); "
+                        "repeatable, e.g. --grid flap:all:0.2,0.3 --grid all:global:0.2. Full grid: --grid all:all")
+    p.add_argument("--reconstruct", default="least_squares", help="reconstruction of the grid rows")
+    p.add_argument("--importance-batches", type=int, default=None,
+                   help="calibration batches for layer/sub-block importance (overrides the presets' 4)")
+    p.add_argument("--eval-chars", type=int, default=None,
+                   help="the run's own protocol reads only the first N characters of --eval (the issue: 60000)")
+    p.add_argument("--protocols", default="own", help="own (the run's: --eval lines, --seq-len windows) and/or "
+                   "paper (rows joined by blank lines, BOS once, --paper-seq-len windows)")
+    p.add_argument("--paper-seq-len", type=int, default=2048)
+    p.add_argument("--paper-windows", type=int, default=None, help="first N windows of the paper protocol")
+    p.add_argument("--zeroshot-dir", default=str(shared / "data" / "zeroshot") if shared else None)
+    p.add_argument("--zeroshot-limit", type=int, default=200, help="first N rows of each zero-shot task")
+    p.add_argument("--zeroshot-for", default="",
+                   help="comma list of 'dense' and grid cells '<criterion> / <allocation>@<ratio>' to score zero-shot")
+    p.add_argument("--zeroshot-batch-size", type=int, default=16)
+    p.add_argument("--reduced", default=None, help="a note for the table: what this run left out of the full grid")
     p.add_argument("--peer-setups", default=",".join(PEER_SETUPS), help="comma-separated; '' for none")
     p.add_argument("--torch-pruning-path", default=None, help="folder holding the torch_pruning package")
     p.add_argument("--peer-timeout", type=float, default=180.0, help="seconds per peer (setup, ratio) subprocess")
@@ -374,7 +703,17 @@ def main(argv: list[str] | None = None) -> None:
 
     ratios = [float(r) for r in args.ratios.split(",") if r]
     bad = [r for r in ratios if not 0 < r < 1]
+    if args.methods is None:
+        args.methods = "" if args.grid else ",".join(METHOD_KEYS)
     labels = [k for k in args.methods.split(",") if k]
+    try:
+        cells = parse_grid(args.grid, ratios)
+    except ValueError as err:
+        p.error(str(err))
+    protocols = [x for x in args.protocols.split(",") if x]
+    if "own" not in protocols or set(protocols) - {"own", "paper"}:
+        p.error(f"--protocols must include 'own' and may add 'paper' (got {args.protocols!r})")
+    zeroshot_for = {x.strip() for x in args.zeroshot_for.split(",") if x.strip()}
     setups = [s for s in args.peer_setups.split(",") if s]
     unknown = [k for k in labels if k not in METHOD_KEYS] + [s for s in setups if s not in PEER_SETUPS]
     if bad or unknown:
@@ -398,7 +737,7 @@ def main(argv: list[str] | None = None) -> None:
         print(peer_note, flush=True)
         setups = []
     elif tp is not None:
-        peer_note = f"torch_pruning {getattr(tp, '__version__', '?')}"
+        peer_note = f"torch_pruning {getattr(tp, '__version__', None) or _dist_version('torch-pruning')}"
 
     name = args.name or ("quality_tiny_" + args.tiny_family if args.tiny_family else "quality_" + Path(args.model).name)
     out_dir = Path(args.out_dir)
@@ -419,33 +758,99 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="prunelight-qvs-") as tmp:
         data_file = Path(tmp) / "data.pt"
+        eval_text = args.eval
+        if args.eval_chars:  # the run's own protocol on a prefix of the test file (a copy in the temp folder)
+            args.eval = str(Path(tmp) / Path(eval_text).name)
+            Path(args.eval).write_text(Path(eval_text).read_text(encoding="utf-8")[: args.eval_chars], encoding="utf-8")
         data_meta = prepare_data(args, data_file)
+        args.eval = eval_text
         data = torch.load(data_file)
         calib = list(torch.split(data["calib"], args.batch_size))
         evals = list(torch.split(data["eval"], args.eval_batch_size))
+        protocol_batches = {"own": evals}
+        if "paper" in protocols:
+            protocol_batches["paper"] = _paper_batches(args)
         model = _load(args.model)
-        dense = evaluate_perplexity(model, evals)
+        key = {"model": args.tiny_family or str(args.model), "samples": args.samples, "seq_len": args.seq_len,
+               "seed": args.seed, "eval": Path(args.eval).name if args.tiny_family else str(args.eval),
+               "eval_chars": args.eval_chars, "eval_tokens": args.eval_tokens,
+               "protocols": protocols, "paper_seq_len": args.paper_seq_len, "paper_windows": args.paper_windows}
+        old_meta = previous.get("meta", {})
+        same = old_meta.get("protocol_key") == key
+        dense = evaluate_protocols(model, protocol_batches) if not same else None
+        zeroshot_fn = None
+        if zeroshot_for:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+            def zeroshot_fn(m):
+                return zeroshot_result(m, tokenizer, args.zeroshot_dir, args.zeroshot_limit, args.zeroshot_batch_size)
         meta = {
             "model": str(args.model) if not args.tiny_family else f"tiny {args.tiny_family} (random weights)",
             "model_name": Path(args.model).name, "model_type": model.config.model_type,
             "query_heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads,
-            "params_total": sum(p.numel() for p in model.parameters()), "dense_ppl": dense["ppl"],
-            "eval_tokens": dense["tokens"], "ratios": ratios,
+            "params_total": sum(p.numel() for p in model.parameters()),
+            "dense_ppl": dense["own"]["ppl"] if dense else old_meta["dense_ppl"],
+            "eval_tokens": dense["own"]["tokens"] if dense else old_meta["eval_tokens"], "ratios": ratios,
+            "protocol_key": key,
             "calibration": f"{data_meta['calibration_samples']} x {args.seq_len} tokens of "
                            f"{Path(args.calibration).parent.name}/{Path(args.calibration).name} (seed {args.seed})",
             "eval_name": f"{Path(args.eval).parent.name}/{Path(args.eval).name}",
-            "threads": args.threads, "torch": torch.__version__, "peer": peer_note,
+            "threads": args.threads, "torch": torch.__version__,
+            "peer": peer_note or (old_meta.get("peer") if same else None),
             "machine": f"{platform.machine()} {os.cpu_count()} CPU(s)", "date": time.strftime("%Y-%m-%d"),
         }
+        if args.eval_chars:
+            meta["eval_name"] += f", first {args.eval_chars:,} characters"
+        if "paper" in protocols:
+            meta["dense_ppl_paper"] = dense["paper"]["ppl"] if dense else old_meta["dense_ppl_paper"]
+            meta["eval_tokens_paper"] = dense["paper"]["tokens"] if dense else old_meta["eval_tokens_paper"]
+            meta["paper_protocol"] = (f"{Path(args.eval).parent.name}/{Path(args.eval).name}, rows joined by blank "
+                                      f"lines, the tokenizer's default special tokens once, non-overlapping "
+                                      f"{args.paper_seq_len}-token windows"
+                                      + (f", first {args.paper_windows}" if args.paper_windows else ""))
+        for k in ("grid", "dense_zeroshot", "commands", "reduced"):
+            if k in old_meta and same:
+                meta[k] = old_meta[k]
+        meta.setdefault("commands", []).append("python scripts/benchmark_quality_vs_size.py " + " ".join(
+            a if a and " " not in a else repr(a) for a in (sys.argv[1:] if argv is None else argv)))
+        if args.reduced:
+            meta["reduced"] = args.reduced
+        if cells:
+            meta["grid"] = {"specs": meta.get("grid", {}).get("specs", []) + args.grid, "reconstruct": args.reconstruct, "recovery": "none",
+                            "importance_batches": args.importance_batches}
+        if "dense" in zeroshot_for and "dense_zeroshot" not in meta:
+            meta["dense_zeroshot"] = zeroshot_fn(model)
+            print(f"dense zero-shot: {meta['dense_zeroshot']['average']:.3f}", flush=True)
         keep = set(labels) | {PEER_SETUPS[s] for s in setups}
-        rows = [r for r in previous.get("rows", []) if r["method"] not in keep]
+        wanted = {(c.rsplit("@", 1)[0], round(float(c.rsplit("@", 1)[1]), 6)) for c in zeroshot_for if "@" in c}
+
+        def redo(r: dict) -> bool:  # a failed grid cell, or one now asked for zero-shot that has none
+            key = (r["method"], round(r["target"], 6))
+            return r.get("kind") == "grid" and ("error" in r or (key in wanted and "zeroshot" not in r))
+
+        rows = [r for r in previous.get("rows", []) if r["method"] not in keep and not redo(r)]
+        if "protocol_key" in old_meta and not same:  # rows measured on other data or protocols are not comparable: run them again
+            print("--resume: the JSON was made with other data/protocol settings; its rows are dropped", flush=True)
+            rows = []
+        done = {(r["method"], round(r["target"], 6)) for r in rows if r.get("kind") == "grid"}
 
         def on_row(row: dict) -> None:
             rows.append(row)
             shown = f"ppl {row['ppl']:.1f} at {row['removed']:.1%}" if "ppl" in row else row["error"]
-            print(f"{row['method']} @ {row['target']:.0%}: {shown}", flush=True)
+            if "ppl_paper" in row:
+                shown += f", paper {row['ppl_paper']:.1f}"
+            if "zeroshot" in row:
+                shown += f", zero-shot {row['zeroshot']['average']:.3f}"
+            print(f"{row['method']} @ {row['target']:.0%}: {shown} ({row.get('seconds', 0):.0f} s)", flush=True)
             atomic_write_json(json_path, {"meta": meta, "rows": rows})
 
+        atomic_write_json(json_path, {"meta": meta, "rows": rows})
+        extra = {a: {"importance_batches": args.importance_batches} for a in ("layerwise", "blockwise", "depth")
+                 } if args.importance_batches else {}
+        run_grid(model, calib, protocol_batches, cells, args.reconstruct, extra, done, zeroshot_for, zeroshot_fn,
+                 on_row)
         run_prunelight(model, calib, evals, labels, ratios, on_row)
         if setups:
             run_peer(args, data_file, setups, ratios, on_row)
@@ -459,12 +864,22 @@ def _finish(meta: dict, rows: list[dict], ratios: list[float], out_dir: Path, na
     from prunelight.atomic import atomic_write_json, atomic_write_text
 
     order = [*METHODS, *PEER_SETUPS.values()]
-    rows.sort(key=lambda r: (order.index(r["method"]) if r["method"] in order else 99, r["target"]))
+    first = {m: i for i, m in reversed(list(enumerate(r["method"] for r in rows)))}
+
+    def rank(r: dict) -> tuple:
+        if r["method"] in METHODS:
+            return (order.index(r["method"]), 0, r["target"])
+        if r.get("kind") == "grid":  # the default first, then the allocations, then the criteria, as run
+            return (50, 0 if r["method"] == DEFAULT_GRID_LABEL else first[r["method"]] + 1, r["target"])
+        return (100 + (order.index(r["method"]) if r["method"] in order else 99), 0, r["target"])
+
+    rows.sort(key=rank)
     meta["ratios"] = sorted({r["target"] for r in rows} | set(ratios))
     atomic_write_json(out_dir / f"{name}.json", {"meta": meta, "rows": rows})
-    table = markdown(meta, rows)
+    grid = any(r.get("kind") == "grid" for r in rows)
+    table = markdown_grid(meta, rows) if grid else markdown(meta, rows)
     atomic_write_text(out_dir / f"{name}.md", table)
-    figure(meta, rows, out_dir / f"{name}.png")
+    (figure_grid if grid else figure)(meta, rows, out_dir / f"{name}.png")
     print("\n" + table)
 
 

@@ -36,6 +36,28 @@ def test_quality_vs_size_tiny_writes_table_json_and_figure(tmp_path):
     assert "| magnitude |" in (tmp_path / "quality_tiny_llama.md").read_text()
 
 
+def test_quality_vs_size_grid_rows_both_protocols_and_resume(tmp_path):
+    bench = _script("benchmark_quality_vs_size")
+    args = ["--tiny-family", "llama", "--ratios", "0.3", "--grid", "flap:global,uniform:0.3", "--grid",
+            "random:global:0.3", "--protocols", "own,paper", "--paper-seq-len", "64", "--paper-windows", "4",
+            "--peer-setups", "", "--samples", "8", "--eval-tokens", "1024", "--out-dir", str(tmp_path)]
+    bench.main(args)
+    path = tmp_path / "quality_tiny_llama.json"
+    data = json.loads(path.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["flap / global", "flap / uniform", "random / global"]  # the default first
+    for row in rows.values():
+        assert "error" not in row, row
+        assert math.isfinite(row["ppl"]) and math.isfinite(row["ppl_paper"]) and row["eval_tokens_paper"] == 252
+        assert abs(row["removed"] - 0.3) < 0.05 and row["cut"]["mlp_kept_min"] <= row["cut"]["mlp_kept_max"]
+    assert data["meta"]["dense_ppl_paper"] > 0
+    bench.main([*args, "--grid", "magnitude:global:0.3", "--resume"])  # only the new cell runs
+    again = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert again["flap / global"]["seconds"] == rows["flap / global"]["seconds"] and "magnitude / global" in again
+    text = (tmp_path / "quality_tiny_llama.md").read_text()
+    assert "| flap / uniform |" in text and "paper protocol" in text
+
+
 def test_quality_vs_size_peer_rows_are_recorded(tmp_path):
     pytest.importorskip("torch_pruning", reason="Torch-Pruning not installed: the peer part is skipped")
     bench = _script("benchmark_quality_vs_size")
