@@ -203,11 +203,11 @@ def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, st
     """Score once per criterion (and layer measure), then per cell allocate, cut a fresh copy, evaluate."""
     from benchmark_methods import allocation_settings
 
-    from prunelight.allocation import allocate, precheck
+    from prunelight.allocation import allocation_of
     from prunelight.calibration import run_calibration
+    from prunelight.cut import measured_scores, run_cut
     from prunelight.importance import build_criterion
     from prunelight.layer_importance import layer_importances
-    from prunelight.reconstruct import cut_and_reconstruct
 
     scores_of: dict[str, tuple] = {}
     layer_of: dict[str, tuple] = {}
@@ -228,21 +228,19 @@ def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, st
                 scores_of[criterion] = (run_calibration(model, calib if crit.needs_data else [], crit),
                                         time.perf_counter() - ts)
             row["scoring_s"] = scores_of[criterion][1]
-            layer_scores = None
-            if allocation in ("layerwise", "depth"):
+            if allocation_of(allocation).layer_importance:  # measured once on the dense model
                 name = settings.layer_importance
                 if name not in layer_of:
                     ts = time.perf_counter()
                     imp = layer_importances(model, calib[: settings.importance_batches], [name])[name]
                     layer_of[name] = (imp, time.perf_counter() - ts)
-                layer_scores = layer_of[name][0]
                 row["layer_importance"] = {"measure": name, "batches": settings.importance_batches,
                                            "seconds": layer_of[name][1]}
-            plan = allocate(precheck(model, settings), scores_of[criterion][0], settings, layer_scores=layer_scores)
-            row["cut"] = plan_summary(plan)
             pruned = copy.deepcopy(model)
             tc = time.perf_counter()
-            cut_and_reconstruct(pruned, plan, calib, settings)
+            layers = {name: imp for name, (imp, _) in layer_of.items()}
+            result = run_cut(pruned, calib, settings, scores=measured_scores(scores_of[criterion][0], layers))
+            row["cut"] = plan_summary(result.plan)
             row["cut_s"] = time.perf_counter() - tc
             after = sum(p.numel() for p in pruned.parameters())
             te = time.perf_counter()
