@@ -53,7 +53,7 @@ class PrunelightCLI(LightningCLI):
         uniform = getattr(export, "uniform_shape", False)  # export.format: stock constrains the cut
         self.job_callbacks = [
             PruningCallback(self._get(self.config_init, "prune"), evaluator, out_dir=export.out_dir,
-                            uniform_shape=uniform),
+                            uniform_shape=uniform, served_layout=getattr(export, "served_layout", False)),
             ExportCallback(export, evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}

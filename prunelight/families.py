@@ -206,6 +206,11 @@ class ModelFamily:
     # The attention reads its query width from config.num_attention_heads at every forward (Phi-3), so a
     # resized attention gets its own view of the config (`modeling.set_attention_heads`).
     attn_heads_from_config: bool = False
+    attn_norm_name: str = "input_layernorm"
+    mlp_norm_name: str = "post_attention_layernorm"
+    nemotron_nas: bool = False
+    """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
+    `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
     stock_fallback: str | None = None
     """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
     refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
@@ -448,11 +453,11 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
-    attn_bias="config", mlp_bias="config", stock_fallback="mistral",
+    attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
-    attn_bias="none", mlp_bias="none",
+    attn_bias="none", mlp_bias="none", nemotron_nas=True,  # with sliding_window: null (export checks)
 )
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,

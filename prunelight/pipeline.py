@@ -39,6 +39,7 @@ def make_plan(
     budget: Budget | None = None,
     saved: SavedScores | None = None,
     uniform_shape: bool = False,
+    served_layout: bool = False,
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
@@ -48,14 +49,15 @@ def make_plan(
     already made by `allocation.precheck` for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
     importance measures: nothing is run on `batches`. `uniform_shape` (export.format: stock) keeps one
-    layer shape; with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL.
+    layer shape; with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL. `served_layout`
+    (export.format: nemotron_nas) keeps the served layout; with `auto` each kept group count is measured.
     """
     from prunelight import zero3
 
     if sharded:
         _refuse_on_partitioned(settings)
     if budget is None:
-        budget = precheck(zero3.shape_twin(model) if sharded else model, settings, uniform_shape)
+        budget = precheck(zero3.shape_twin(model) if sharded else model, settings, uniform_shape, served_layout)
     batches = list(batches)  # read more than once: calibration, layer importance, split search
     if saved is not None:
         check_scores_cover(saved, settings)
@@ -69,13 +71,16 @@ def make_plan(
 
     search = None
     share = settings.attn_share
-    groups_removed = None
-    if settings.attn_mlp_split == "auto" and uniform_shape:
+    groups_removed = groups_kept = None
+    if settings.attn_mlp_split == "auto" and served_layout:
+        groups_kept, search = _search_served(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    elif settings.attn_mlp_split == "auto" and uniform_shape:
         groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    uniform_shape=uniform_shape, groups_removed=groups_removed)
+                    uniform_shape=uniform_shape, groups_removed=groups_removed, served_layout=served_layout,
+                    groups_kept=groups_kept)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -88,6 +93,8 @@ def make_plan(
         plan.meta["split_search"] = search
         if groups_removed is not None:  # the uniform shape was chosen by the search: its candidates carry the NLL
             plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
+        if groups_kept is not None:
+            plan.meta["served_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
     return plan, scores
 
 
@@ -179,6 +186,20 @@ def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings
     best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
     return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,
                                               "best_groups_removed_per_layer": best["groups_removed_per_layer"]}
+
+
+def _search_served(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
+                   layer_scores, batches, reduce_sum) -> tuple[int, dict]:
+    """Measure the best served layout of each kept group count on calibration NLL (masked); the count of the lowest."""
+    first = allocate(budget, scores, settings, layer_scores=layer_scores, served_layout=True)
+    tried = []
+    for cand in progress(first.meta["served_shapes"]["candidates"], desc="served layout search", unit="layout"):
+        plan = allocate(budget, scores, settings, layer_scores=layer_scores, served_layout=True,
+                        groups_kept=cand["groups_kept"])
+        tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
+    best = min(tried, key=lambda c: (c["calibration_nll"], -c["groups_kept"]))
+    return best["groups_kept"], {"served_layout": True, "by": "calibration_nll", "tried": tried,
+                                 "best_groups_kept": best["groups_kept"]}
 
 
 def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,

@@ -23,7 +23,8 @@ SPLIT_ALLOCATIONS = ("global", "layerwise")  # the allocations that can honour a
 RATE_STRATEGIES = ("inverse", "proportional", "uniform")
 IMPORTANCE_SCALES = ("minmax", "rank")
 BLOCK_IMPORTANCE = ("units", "removal")
-EXPORT_FORMATS = ("auto", "stock")  # export.py (the writer) and allocation/stock.py (the uniform-shape cut)
+# export.py (the writers); allocation/stock.py (stock's uniform-shape cut), allocation/served.py (nemotron_nas's cut)
+EXPORT_FORMATS = ("auto", "stock", "nemotron_nas")
 
 CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
 AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
@@ -299,10 +300,13 @@ class ExportSettings:
     figures: bool = True
     """Write the report's PNG figures."""
     format: ExportFormat = "auto"
-    """Model folder type. auto: a stock config when every layer has one shape, else the prunelight type
-    (per-layer widths; transformers loads it with trust_remote_code, serving engines do not). stock: the cut
-    keeps one shape in every layer (MLP-only pruning allowed, whole layers may go) and the folder is a stock
-    Llama/Mistral/Qwen2 config that vLLM, llama.cpp, TGI and TensorRT-LLM read (README, "Deployable export")."""
+    """Model folder type. auto: a stock config when every layer has one shape, else the Nemotron-NAS layout when it
+    states the shapes, else the prunelight type (per-layer widths; transformers loads it with trust_remote_code,
+    serving engines do not). stock: the cut keeps one shape in every layer (MLP-only pruning allowed, whole layers
+    may go) and the folder is a stock Llama/Mistral/Qwen2 config that vLLM, llama.cpp, TGI and TensorRT-LLM read
+    (README, "Deployable export"). nemotron_nas: the cut keeps MLP widths free per layer and one GQA group count in
+    every layer that keeps attention, and the folder is the Nemotron-NAS layout vLLM serves as DeciLMForCausalLM
+    (Llama-like families; README, "Serving")."""
 
     def __post_init__(self) -> None:
         if not str(self.out_dir).strip():
@@ -313,3 +317,8 @@ class ExportSettings:
     def uniform_shape(self) -> bool:
         """Whether the cut must keep one shape in every layer (what the pruning job is told)."""
         return self.format == "stock"
+
+    @property
+    def served_layout(self) -> bool:
+        """Whether the cut must keep the Nemotron-NAS layout: one group count in kept attention, free MLP widths."""
+        return self.format == "nemotron_nas"

@@ -36,6 +36,7 @@ from prunelight.allocation.budget import (
     true_up,
 )
 from prunelight.allocation.layerwise import layer_rates, layerwise_width
+from prunelight.allocation.served import check_served_settings, served_width
 from prunelight.allocation.stock import candidates as stock_candidates
 from prunelight.allocation.stock import check_stock_settings, stock_width
 from prunelight.allocation.structural import blockwise, depth
@@ -49,11 +50,21 @@ NEEDS_LAYER_IMPORTANCE = ("layerwise", "depth")
 __all__ = ["ALLOCATIONS", "Budget", "allocate", "count_params", "decoder_params", "make_budget", "precheck"]
 
 
-def precheck(model: nn.Module, settings: PruneSettings, uniform_shape: bool = False) -> Budget:
+def precheck(model: nn.Module, settings: PruneSettings, uniform_shape: bool = False,
+             served_layout: bool = False) -> Budget:
     """Measure the model once and refuse settings its sizes cannot meet (run before calibration).
 
-    `uniform_shape` (export.format: stock) also refuses settings and models no uniform shape suits.
+    `uniform_shape` (export.format: stock) also refuses settings and models no uniform shape suits;
+    `served_layout` (export.format: nemotron_nas) settings and families that layout cannot state.
     """
+    if served_layout:
+        check_served_settings(settings)
+        from prunelight.families import get_family
+
+        if not get_family(model).nemotron_nas:
+            raise ValueError(f"export.format=nemotron_nas is not allowed for model_type "
+                             f"{model.config.model_type!r}: the layout states Llama layers only; use export.format: "
+                             "stock or auto")
     if uniform_shape:
         check_stock_settings(settings)
         if settings.target_kv_cache is not None:
@@ -87,13 +98,20 @@ def precheck(model: nn.Module, settings: PruneSettings, uniform_shape: bool = Fa
                 f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
             )
     share = settings.attn_share
-    if share is not None and not uniform_shape:
+    if share is not None and not (uniform_shape or served_layout):
         kind_targets(budget, share)
     if uniform_shape and settings.allocation != "depth":  # depth's dropped layers are known only after scoring
         import torch
 
         zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
         stock_candidates(zeros, budget, settings.align_channels)
+    if served_layout and settings.allocation != "depth":
+        import torch
+
+        from prunelight.allocation.served import candidates as served_candidates
+
+        zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
+        served_candidates(zeros, budget, settings.align_channels)
     return budget
 
 
@@ -106,6 +124,8 @@ def allocate(
     attn_share: float | None = None,
     uniform_shape: bool = False,
     groups_removed: int | None = None,
+    served_layout: bool = False,
+    groups_kept: int | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
@@ -113,9 +133,13 @@ def allocate(
     depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
     `uniform_shape` (export.format: stock) keeps one shape in every kept layer (allocation/stock.py);
     `groups_removed` then fixes the groups removed per layer (the calibration search tries each).
+    `served_layout` (export.format: nemotron_nas) keeps one group count in every layer keeping attention and
+    MLP widths free (allocation/served.py); `groups_kept` then fixes that count.
     """
     if uniform_shape:
         return _allocate_stock(budget, scores, settings, layer_scores, attn_share, groups_removed)
+    if served_layout:
+        return _allocate_served(budget, scores, settings, layer_scores, attn_share, groups_kept)
     method = settings.allocation
     if budget.kv_groups:
         return _kv_plan(budget, scores, method)
@@ -196,6 +220,33 @@ def _allocate_stock(budget: Budget, scores: UnitScores, settings: PruneSettings,
     removed, report = stock_width(scores, budget, settings.align_channels, drop, share, groups_removed)
     plan = build_plan(budget, removed, drop)
     extra = {"allocation": method, "uniform_shape": True, "stock_shapes": report}
+    if share is not None:
+        extra["attn_share_target"] = share
+    if settings.align_channels > 1:
+        extra["align_channels"] = settings.align_channels
+    plan.meta = {**extra, **plan_meta(budget, plan)}
+    return plan
+
+
+def _allocate_served(budget: Budget, scores: UnitScores, settings: PruneSettings, layer_scores, attn_share,
+                     groups_kept: int | None) -> PrunePlan:
+    """`allocate` under export.format: nemotron_nas: whole layers (depth) first, then the served-layout search."""
+    check_served_settings(settings)
+    check_scores(scores, budget)
+    method = settings.allocation
+    share = settings.attn_share if attn_share is None else attn_share
+    drop: set[int] = set()
+    if method == "depth":
+        if layer_scores is None:
+            raise ValueError("allocation 'depth' needs layer importance (layer_scores); make_plan measures it")
+        removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
+        if not settings.fill_width:
+            plan = build_plan(budget, removed, drop)
+            plan.meta = {"allocation": method, "served_layout": True, **plan_meta(budget, plan)}
+            return plan
+    removed, report = served_width(scores, budget, settings.align_channels, drop, share, groups_kept)
+    plan = build_plan(budget, removed, drop)
+    extra = {"allocation": method, "served_layout": True, "served_shapes": report}
     if share is not None:
         extra["attn_share_target"] = share
     if settings.align_channels > 1:

@@ -146,7 +146,8 @@ def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=N
 
     evaluator = RunEvaluator(evaluation)
     export = export or ExportSettings()
-    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, uniform_shape=export.uniform_shape),
+    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, uniform_shape=export.uniform_shape,
+                            served_layout=export.served_layout),
             ExportCallback(export, evaluator)]
 
 

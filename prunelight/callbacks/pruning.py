@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 
 from prunelight.allocation import precheck
+from prunelight.allocation.served import check_served_settings
 from prunelight.allocation.stock import check_stock_settings
 from prunelight.console import cut_summary, log_metrics, show_progress
 from prunelight.distributed import needs_fresh_engine, strategy_sum, zero_stage
@@ -48,12 +49,13 @@ class PruningCallback(L.Callback):
     """
 
     def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None,
-                 out_dir: str | None = None, uniform_shape: bool = False) -> None:
+                 out_dir: str | None = None, uniform_shape: bool = False, served_layout: bool = False) -> None:
         super().__init__()
         self.settings = settings or PruneSettings()
         self.evaluator = evaluator
         self.out_dir = out_dir  # plan.json and scores.pt go here (default: the trainer's default_root_dir)
         self.uniform_shape = uniform_shape  # export.format: stock (ExportSettings.uniform_shape) keeps one layer shape
+        self.served_layout = served_layout  # export.format: nemotron_nas (ExportSettings.served_layout)
         self.pruned = False
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -66,6 +68,8 @@ class PruningCallback(L.Callback):
                                                 importance_batches=1)
         if self.uniform_shape:
             check_stock_settings(self.settings)
+        if self.served_layout:
+            check_served_settings(self.settings)
         step = self.settings.prune_step
         if step and trainer.max_steps is not None and trainer.max_steps >= 0 and step >= trainer.max_steps:
             raise ValueError(f"prune.prune_step={step} is not allowed: the run stops at trainer.max_steps="
@@ -122,7 +126,7 @@ class PruningCallback(L.Callback):
             saved_plan = load_plan_checked(twin, s.plan)
         else:
             # Size checks (frozen layers, split feasibility, units available) before evaluation and calibration.
-            budget = precheck(twin, s, self.uniform_shape)
+            budget = precheck(twin, s, self.uniform_shape, self.served_layout)
             if s.scores:
                 saved = load_scores(s.scores)
                 check_key(saved.key, scores_key(base, s, calibration_identity(dm, s)), s.scores,
@@ -145,7 +149,7 @@ class PruningCallback(L.Callback):
                          saved.samples, _repair_reads(s, batches))
             plan, scores = make_plan(base, batches, s, reduce_sum=strategy_sum(trainer, pl_module.device),
                                      sharded=sharded, budget=budget, saved=saved,
-                                     uniform_shape=self.uniform_shape)
+                                     uniform_shape=self.uniform_shape, served_layout=self.served_layout)
         times["calibration_and_allocation"] = time.perf_counter() - t0
         made = plan.meta
         record.calibration = CalibrationRecord(
