@@ -409,6 +409,16 @@ class NemotronNasConfig(PrunedLlamaConfig):
         out.pop("layer_shapes", None)  # derived from block_configs
         return out
 
+    def validate(self):
+        """LlamaConfig's checks but its architecture one: the kept query heads need not divide hidden_size (head_dim
+        is explicit). `@strict` runs the decorated class's own validator list, so overriding
+        `validate_architecture` alone would not take it out."""
+        for validator in getattr(LlamaConfig, "__class_validators__", []):
+            if validator.__name__ != "validate_architecture":
+                validator(self)
+        if not self.head_dim:
+            raise ValueError("a nemotron-nas config needs an explicit head_dim")
+
 
 def nas_layer_shape(block, num_attention_heads: int) -> dict:
     """The `layer_shapes` entry (heads, KV heads, MLP width; 0 = removed) of one Nemotron-NAS block config."""
