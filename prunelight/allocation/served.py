@@ -61,16 +61,16 @@ def _live(budget: Budget, drop) -> list[int]:
     return live
 
 
-def _mlp_fill(scores: UnitScores, budget: Budget, removed: Removed, drop: set[int], align: int) -> int | None:
-    """Fill the rest of the budget with MLP channels (one knapsack over the live layers); the exact total, or None
-    when the MLP cannot give the rest."""
+def _mlp_fill(scores: UnitScores, budget: Budget, removed: Removed, drop: set[int], align: int,
+              cands: list) -> int | None:
+    """Fill the rest of the budget with MLP channels (one knapsack over the live layers' channels `cands`, sorted);
+    the exact total, or None when the MLP cannot give the rest."""
     live = [i for i in range(budget.num_layers) if i not in drop]
     lim = {"attn": [0] * budget.num_layers,
            "mlp": [max(budget.n_chans[i] - max(budget.min_channels, 1), 0) if i in live else 0
                    for i in range(budget.num_layers)]}
     total = plan_params_removed(budget, build_plan(budget, removed, set(drop)))
     if total < budget.target:
-        cands = units(scores, budget, kinds=("mlp",), layers=set(live))
         total = meet(cands, budget.target, removed, lim, total, budget.c_cost)
     if align > 1:
         try:
@@ -89,6 +89,7 @@ def candidates(scores: UnitScores, budget: Budget, align: int = 1, drop: set[int
     live = _live(budget, drop)
     n_g = budget.n_groups[live[0]]
     align = max(int(align), 1)
+    mlp_units = units(scores, budget, kinds=("mlp",), layers=set(live))  # sorted once, shared by every candidate
     out = []
     for keep in range(n_g, max(budget.min_groups, 1) - 1, -1):
         # Attention-free layers: those whose kept groups matter least; never the first live layer.
@@ -102,7 +103,7 @@ def candidates(scores: UnitScores, budget: Budget, align: int = 1, drop: set[int
                 removed["mlp"][i] = set(range(budget.n_chans[i]))
             for i in live:
                 removed["attn"][i] = set(range(n_g)) if i in no_attn else lowest(scores["attn"][i], n_g - keep)
-            total = _mlp_fill(scores, budget, removed, drop, align)
+            total = _mlp_fill(scores, budget, removed, drop, align, mlp_units)
             if total is None:
                 continue
             gone = sum(float(scores[k][i][j]) for k in ("attn", "mlp") for i in live for j in removed[k][i])
