@@ -6,9 +6,11 @@ with one GQA group count, aligned = the same with `align_channels`), exported by
 vLLM (its own environment, float32, eager) in a fresh engine per folder: one warm-up, then `--repeats` timed
 runs of a prefill-only request (1 output token) and a decode request (`--decode-tokens`); decode time is the
 decode request less its prefill. Medians; speedup vs dense and the ideal (params_dense / params_pruned).
-Run it ALONE on the machine (other processes change the figures):
+Run it ALONE on the machine (other processes change the figures); ~15 min on 2 cores:
 
-    python scripts/benchmark_vllm_speed.py --dense /work/models/smollm2-f32 --repeats 5 --tag cpu
+    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/benchmark_vllm_speed.py --dense /work/models/smollm2-f32 --tag cpu
+
+(OMP_NUM_THREADS applies to the pruning here; the vLLM processes get vLLM's own thread binding.)
 
 Writes results/benchmarks/vllm_speed_<tag>.{json,md}.
 """
@@ -76,6 +78,7 @@ def time_folder(folder: Path, args, log: Path) -> dict:
                                               "decode_tokens": args.decode_tokens, "batch": args.batch}}))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("PYTHONPATH", None)
+        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own CPU threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
         with open(log, "w") as sink:
             proc = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
                                   env=env, stdout=sink, stderr=subprocess.STDOUT)
