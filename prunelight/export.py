@@ -134,8 +134,8 @@ def nas_config(model: nn.Module):
     if why:
         raise NasExportError(f"export.format=nemotron_nas cannot state this model: {why}")
     heads, kv = next((s.num_attention_heads, s.num_key_value_heads) for s in shapes if s.num_attention_heads)
-    blocks = [{"attention": {"no_op": not s.num_attention_heads, "n_heads_in_group": heads // kv if s.num_attention_heads
-                             else None},
+    blocks = [{"attention": {"no_op": not s.num_attention_heads,
+                             "n_heads_in_group": heads // kv if s.num_attention_heads else None},
                "ffn": {"no_op": not s.intermediate_size, "intermediate_size": s.intermediate_size or None}}
               for s in shapes]
     data = _config_dict(base, family)

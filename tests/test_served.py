@@ -131,7 +131,7 @@ def test_auto_export_picks_nemotron_nas_when_the_shapes_allow_and_prunelight_oth
                        num_groups=[4] * 4, num_channels=[n] * 4)
     apply_plan(model, uneven)
     assert format_of(export_config(model, "auto")) == "prunelight"
-    with pytest.raises(NasExportError, match="same query and KV heads, got .* \\[\\(4, 2\\), \\(6, 3\\), \\(8, 4\\)\\]"):
+    with pytest.raises(NasExportError, match=r"same query and KV heads, got .* \[\(4, 2\), \(6, 3\), \(8, 4\)\]"):
         export_config(model, "nemotron_nas")
 
 
@@ -150,7 +150,7 @@ def test_refusals_are_one_line_and_early():
                                 num_groups=[2, 2], num_channels=[96, 96]))
     with pytest.raises(NasExportError, match="attention in the first layer"):
         export_config(first, "nemotron_nas")
-    with pytest.raises(SettingsError, match="export.format='vllm' is not allowed: use one of auto, stock, nemotron_nas"):
+    with pytest.raises(SettingsError, match="export.format='vllm' is not allowed: use one of auto, stock, nemotron"):
         ExportSettings(format="vllm")
     assert ExportSettings(format="nemotron_nas").served_layout and not ExportSettings().served_layout
 
