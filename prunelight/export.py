@@ -33,7 +33,7 @@ class NasExportError(ValueError):
 # What each format was checked in: scripts/serve_check.py serves a tiny and a SmolLM2 export in vLLM and compares
 # greedy continuations with transformers on the same folder (tests/test_serving.py, CI's vLLM step).
 ENGINES_VERIFIED = {
-    "stock": ["vLLM 0.32.0 (LlamaForCausalLM / MistralForCausalLM)", "transformers"],
+    "stock": ["vLLM 0.32.0 (checked on Llama exports: LlamaForCausalLM)", "transformers"],
     "nemotron_nas": ["vLLM 0.32.0 (DeciLMForCausalLM, trust_remote_code for the config class)",
                      "transformers (prunelight imported, or trust_remote_code)"],
     "prunelight": ["transformers (prunelight imported, or trust_remote_code)"],
