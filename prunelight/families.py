@@ -211,15 +211,18 @@ class ModelFamily:
     nemotron_nas: bool = False
     """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
     `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
+    extra_model_types: tuple[str, ...] = ()
+    """Other config.model_type values whose models are this family's (Llama: `nemotron-nas`, the served layout
+    prunelight writes, reloaded as NemotronNasForCausalLM, a LlamaForCausalLM)."""
     stock_fallback: str | None = None
     """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
     refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
     head_dim). Used by `export.format: stock`; None: no fallback."""
 
     @property
-    def model_types(self) -> tuple[str, str]:
-        """config.model_type of the stock and the pruned (prunelight_*) classes."""
-        return self.config_class.model_type, self.pruned_config_class.model_type
+    def model_types(self) -> tuple[str, ...]:
+        """config.model_type of the stock and the pruned (prunelight_*) classes, and any `extra_model_types`."""
+        return self.config_class.model_type, self.pruned_config_class.model_type, *self.extra_model_types
 
     @property
     def lora_targets(self) -> list[str]:
@@ -454,6 +457,7 @@ class ModelFamily:
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
     attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
+    extra_model_types=(modeling.NemotronNasConfig.model_type,),
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
