@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from prunelight.allocation import Shape, check_shape, precheck
+from prunelight.allocation.shapes import SHAPES
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
 from prunelight.saved import check_saved_inputs
@@ -40,6 +41,9 @@ def check_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None, r
         _check_facts(settings, run)
     if config is None:
         return
+    rule = SHAPES[shape]
+    if rule.check_config is not None:
+        rule.check_config(config)  # the shape's family / attention refusals, also for a saved plan
     _check_widths(settings, config)
     check_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
     twin = shape_twin_of(config)

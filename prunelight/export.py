@@ -26,6 +26,21 @@ class StockExportError(ValueError):
     """`export.format: stock` asked for a model no stock config of a served family can state."""
 
 
+class NasExportError(ValueError):
+    """`export.format: nemotron_nas` asked for a model the Nemotron-NAS (DeciLM) layout cannot state."""
+
+
+# What each format was checked in: scripts/serve_check.py serves a tiny and a SmolLM2 export in vLLM and compares
+# greedy continuations with transformers on the same folder (tests/test_serving.py, CI's vLLM step).
+ENGINES_VERIFIED = {
+    "stock": ["vLLM 0.32.0 (checked on Llama exports: LlamaForCausalLM)", "transformers"],
+    "nemotron_nas": ["vLLM 0.32.0 (DeciLMForCausalLM, trust_remote_code for the config class)",
+                     "transformers (prunelight imported, or trust_remote_code)"],
+    "prunelight": ["transformers (prunelight imported, or trust_remote_code)"],
+}
+NAS_ARCHITECTURE = "DeciLMForCausalLM"
+
+
 def _config_dict(base: nn.Module, family) -> dict:
     data = base.config.to_dict()
     data["head_dim"] = family.head_dim(base.config)
@@ -87,10 +102,68 @@ def _lost_biases(family, fallback, config) -> list[str]:
     return lost
 
 
+def nas_refusal(family, config, shapes) -> str | None:
+    """Why the Nemotron-NAS layout cannot state these layer shapes (None: it can). See `nas_config`."""
+    if not family.nemotron_nas:
+        return f"it states Llama layers only, not model_type {config.model_type!r}"
+    if getattr(config, "sliding_window", None) is not None:
+        return f"its attention has no sliding window (the model has sliding_window={config.sliding_window})"
+    if getattr(config, "output_bias", False):
+        return "it cannot state the o_proj/down_proj biases reconstruction added (use prune.reconstruct: least_squares)"
+    kept = sorted({(s.num_attention_heads, s.num_key_value_heads) for s in shapes if s.num_attention_heads})
+    if len(kept) != 1:
+        return (f"every layer that keeps attention has the same query and KV heads, got (heads, KV) {kept or 'none'} "
+                "(prune with export.format: nemotron_nas set so the allocation keeps one group count)")
+    if not shapes[0].num_attention_heads:
+        return "vLLM's DeciLM model needs attention in the first layer"
+    return None
+
+
+def nas_config(model: nn.Module):
+    """The Nemotron-NAS config (vLLM's `DeciLMForCausalLM`) of a pruned Llama-like model, or a NasExportError.
+
+    One `block_configs` entry per layer: attention `{no_op, n_heads_in_group}` (query heads are the global
+    `num_attention_heads`, so every layer keeping attention keeps the same groups count), ffn `{no_op,
+    intermediate_size}` (free per layer). Norms, biases (`attention_bias`, `mlp_bias`), rope and tied embeddings
+    are the Llama config's own fields.
+    """
+    base = unwrap(model)
+    family = get_family(base)
+    shapes = family.layer_shapes(base)
+    why = nas_refusal(family, base.config, shapes)
+    if why:
+        raise NasExportError(f"export.format=nemotron_nas cannot state this model: {why}")
+    heads, kv = next((s.num_attention_heads, s.num_key_value_heads) for s in shapes if s.num_attention_heads)
+    blocks = [{"attention": {"no_op": not s.num_attention_heads,
+                             "n_heads_in_group": heads // kv if s.num_attention_heads else None},
+               "ffn": {"no_op": not s.intermediate_size, "intermediate_size": s.intermediate_size or None}}
+              for s in shapes]
+    data = _config_dict(base, family)
+    llama_fields = set(modeling.NemotronNasConfig().to_dict())
+    data = {k: v for k, v in data.items() if k in llama_fields}  # e.g. Mistral's sliding_window (null) goes
+    remote = REMOTE_CODE_FILE.removesuffix(".py")
+    return modeling.NemotronNasConfig(
+        **{**data, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "intermediate_size": max(s.intermediate_size for s in shapes)},
+        block_configs=blocks, architectures=[NAS_ARCHITECTURE],
+        auto_map={"AutoConfig": f"{remote}.NemotronNasConfig",
+                  "AutoModelForCausalLM": f"{remote}.NemotronNasForCausalLM"},
+    )
+
+
+def format_of(config) -> str:
+    """Which export format a saved config is: stock, nemotron_nas or prunelight."""
+    if getattr(config, "block_configs", None):
+        return "nemotron_nas"
+    return "prunelight" if getattr(config, "layer_shapes", None) else "stock"
+
+
 def export_config(model: nn.Module, format: str = "auto"):
     """The config to save. `stock`: a stock config of a served family or an error (see `stock_config`).
 
+    `nemotron_nas`: the served per-layer layout (see `nas_config`) or an error.
     `auto`: stock when every layer has the same shape and the family's own stock validation accepts it,
+    else nemotron_nas when that layout states the shapes (a served format whenever the plan allows one),
     else the prunelight type (per-layer `layer_shapes`, loaded with the bundled modeling file). A model whose
     o_proj/down_proj gained biases (`output_bias`, reconstruction) always gets the prunelight type: the stock
     config can state an o_proj bias only together with q/k/v biases.
@@ -99,6 +172,8 @@ def export_config(model: nn.Module, format: str = "auto"):
         raise ValueError(f"export.format={format!r} is not allowed: use one of {', '.join(EXPORT_FORMATS)}")
     if format == "stock":
         return stock_config(model)
+    if format == "nemotron_nas":
+        return nas_config(model)
     base = unwrap(model)
     family = get_family(base)
     shapes = family.layer_shapes(base)
@@ -109,8 +184,12 @@ def export_config(model: nn.Module, format: str = "auto"):
             return family.config_class(**{**data, **shapes[0].as_dict()}, architectures=[family.model_class.__name__])
         except Exception as err:  # noqa: BLE001 - huggingface_hub raises its own validation error class
             # e.g. transformers' LlamaConfig insists hidden_size % num_attention_heads == 0.
-            log.warning("uniform shapes do not pass stock %s validation (%s); saving a prunelight config",
+            log.warning("uniform shapes do not pass stock %s validation (%s); trying nemotron_nas",
                         family.config_class.__name__, err)
+    why = nas_refusal(family, base.config, shapes)
+    if why is None:
+        return nas_config(base)
+    log.info("export: the Nemotron-NAS layout cannot state these shapes (%s); saving a prunelight config", why)
     remote = REMOTE_CODE_FILE.removesuffix(".py")
     return family.pruned_config_class(
         **data,
@@ -121,6 +200,17 @@ def export_config(model: nn.Module, format: str = "auto"):
             "AutoModelForCausalLM": f"{remote}.{family.pruned_model_class.__name__}",
         },
     )
+
+
+def _without_noop_norms(model: nn.Module) -> dict:
+    """The state dict less the pre-norms of removed attention / MLP sub-blocks (the DeciLM layout has none)."""
+    family = get_family(model)
+    gone = []
+    for i, layer in enumerate(family.layers(model)):
+        for kind, norm in (("attn", family.attn_norm_name), ("mlp", family.mlp_norm_name)):
+            if family.sub_block(layer, kind) is None:
+                gone.append(f"{family.layers_path}.{i}.{norm}.")
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(tuple(gone))}
 
 
 def license_files(folder: str | Path | None) -> list[Path]:
@@ -145,12 +235,15 @@ def export_pretrained(model: nn.Module, out_dir: str | Path, tokenizer=None, for
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         architectures = list(config.architectures)
+        kwargs = {}
+        if format_of(config) == "nemotron_nas":  # a no-op sub-block has no norm in that layout
+            kwargs["state_dict"] = _without_noop_norms(base)
         with modeling.config_swapped(base, config):
-            base.save_pretrained(tmp, safe_serialization=True)
+            base.save_pretrained(tmp, safe_serialization=True, **kwargs)
         # save_pretrained names the in-memory class; engines pick their implementation by `architectures`.
         config.architectures = architectures
         config.save_pretrained(tmp)
-        if getattr(config, "layer_shapes", None):
+        if getattr(config, "auto_map", None):
             shutil.copyfile(Path(modeling.__file__), tmp / REMOTE_CODE_FILE)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -206,15 +206,23 @@ class ModelFamily:
     # The attention reads its query width from config.num_attention_heads at every forward (Phi-3), so a
     # resized attention gets its own view of the config (`modeling.set_attention_heads`).
     attn_heads_from_config: bool = False
+    attn_norm_name: str = "input_layernorm"
+    mlp_norm_name: str = "post_attention_layernorm"
+    nemotron_nas: bool = False
+    """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
+    `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
+    extra_model_types: tuple[str, ...] = ()
+    """Other config.model_type values whose models are this family's (Llama: `nemotron-nas`, the served layout
+    prunelight writes, reloaded as NemotronNasForCausalLM, a LlamaForCausalLM)."""
     stock_fallback: str | None = None
     """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
     refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
     head_dim). Used by `export.format: stock`; None: no fallback."""
 
     @property
-    def model_types(self) -> tuple[str, str]:
-        """config.model_type of the stock and the pruned (prunelight_*) classes."""
-        return self.config_class.model_type, self.pruned_config_class.model_type
+    def model_types(self) -> tuple[str, ...]:
+        """config.model_type of the stock and the pruned (prunelight_*) classes, and any `extra_model_types`."""
+        return self.config_class.model_type, self.pruned_config_class.model_type, *self.extra_model_types
 
     @property
     def lora_targets(self) -> list[str]:
@@ -448,11 +456,12 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
-    attn_bias="config", mlp_bias="config", stock_fallback="mistral",
+    attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
+    extra_model_types=(modeling.NemotronNasConfig.model_type,),
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
-    attn_bias="none", mlp_bias="none",
+    attn_bias="none", mlp_bias="none", nemotron_nas=True,  # with sliding_window: null (export checks)
 )
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,

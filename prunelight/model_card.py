@@ -13,6 +13,9 @@ from typing import Any
 import prunelight
 
 STOCK_ENGINES = "vLLM, llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM read this stock config"
+NAS_ENGINES = ("vLLM serves it as `DeciLMForCausalLM` (`LLM(model=folder, trust_remote_code=True)`: the remote code is "
+              "only the config class in `modeling_prunelight.py`); transformers loads it with prunelight imported or "
+              "trust_remote_code=True")
 PRUNED_ENGINES = ("transformers only, with trust_remote_code=True (per-layer widths: serving engines do not load "
                   "this type; re-run with export.format: stock)")
 
@@ -43,6 +46,7 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     model_type = cfg.get("model_type", "unknown")
     stock = not cfg.get("layer_shapes") and not cfg.get("auto_map") and not str(model_type).startswith("prunelight")
+    nas = bool(cfg.get("block_configs"))
     tags = ["prunelight", "pruned", "structured-pruning", str(model_type)]
     hub_id = (base not in ("config", "unknown") and not base.startswith((".", "/", "~", "pkg://"))
               and not base.endswith(".gguf") and not Path(base).exists())  # a GGUF or package file is no hub id
@@ -65,6 +69,12 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
             lines.append(f"- Uniform shape (export.format: stock): {stock_shapes.get('chosen')} group(s) removed per "
                          f"layer, chosen by {stock_shapes.get('chosen_by')} among "
                          f"{len(stock_shapes.get('candidates') or [])} candidate shape(s)")
+        served = plan.get("served_shapes") or {}
+        if served:
+            chosen = served.get("chosen") or {}
+            lines.append(f"- Served layout (export.format: nemotron_nas): {chosen.get('groups_kept')} GQA group(s) "
+                         f"kept in every layer that keeps attention, attention removed in layers "
+                         f"{chosen.get('attention_removed_layers') or 'none'}, chosen by {served.get('chosen_by')}")
     layers = rec.get("layers") or []
     if layers:
         for key, name in (("num_attention_heads", "Query heads"), ("num_key_value_heads", "KV heads"),
@@ -98,8 +108,15 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
         lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code: {STOCK_ENGINES}. Loads with plain "
                      "transformers, without trust_remote_code or prunelight (prunelight's tests check such folders "
                      "give the pruned model's logits).")
+    elif nas:
+        lines.append(f"Nemotron-NAS layout `{model_type}` (`{archs}`): per-layer MLP widths, one query/KV head count "
+                     f"in every layer that keeps attention (`block_configs`). {NAS_ENGINES}.")
     else:
         lines.append(f"prunelight config type `{model_type}` (`{archs}`): {PRUNED_ENGINES}.")
+    if rec.get("engines_verified"):
+        lines.append("")
+        lines.append(f"Engines this format is verified in by prunelight's serving check (`scripts/serve_check.py`: "
+                     f"greedy output equal to transformers' on the same folder): {'; '.join(rec['engines_verified'])}.")
     lines += ["", "## How it was made", "", f"prunelight {prunelight.__version__}."]
     if command:
         lines += ["", "```", command, "```"]

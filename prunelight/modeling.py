@@ -371,9 +371,88 @@ class PrunedPhi3ForCausalLM(_PrunedMixin, Phi3ForCausalLM):
         self._resize_to_layer_shapes()
 
 
+class BlockFields(dict):
+    """One entry of a Nemotron-NAS `block_configs` list (or its `attention` / `ffn` part): a plain dict, so it saves
+    as JSON, whose keys also read as attributes (`block.attention.no_op`), as vLLM's DeciLM model reads them."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _fields(value):
+    return BlockFields({k: _fields(v) for k, v in value.items()}) if isinstance(value, dict) else value
+
+
+class NemotronNasConfig(PrunedLlamaConfig):
+    """The Nemotron-NAS (DeciLM) layout: Llama layers where each layer's attention and MLP may differ.
+
+    `block_configs`: one `{attention: {no_op, n_heads_in_group}, ffn: {no_op, intermediate_size}}` per layer;
+    query heads are `num_attention_heads` in every layer that keeps attention, KV heads num_attention_heads //
+    n_heads_in_group. vLLM serves it as `DeciLMForCausalLM`; transformers loads it with this class (prunelight
+    imported, or trust_remote_code through the folder's `auto_map`).
+    """
+
+    model_type = "nemotron-nas"
+    block_configs: list | None = None
+
+    def __post_init__(self, **kwargs):
+        self.block_configs = [_fields(b) for b in (self.block_configs or [])]
+        if self.block_configs:
+            self.layer_shapes = [nas_layer_shape(b, self.num_attention_heads) for b in self.block_configs]
+        super().__post_init__(**kwargs)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out.pop("layer_shapes", None)  # derived from block_configs
+        return out
+
+    def validate(self):
+        """LlamaConfig's checks but its architecture one: the kept query heads need not divide hidden_size (head_dim
+        is explicit). `@strict` runs the decorated class's own validator list, so overriding
+        `validate_architecture` alone would not take it out."""
+        for validator in getattr(LlamaConfig, "__class_validators__", []):
+            if validator.__name__ != "validate_architecture":
+                validator(self)
+        if not self.head_dim:
+            raise ValueError("a nemotron-nas config needs an explicit head_dim")
+
+
+def nas_layer_shape(block, num_attention_heads: int) -> dict:
+    """The `layer_shapes` entry (heads, KV heads, MLP width; 0 = removed) of one Nemotron-NAS block config."""
+    attn, ffn = block["attention"], block["ffn"]
+    odd = [f"{part}.{k}" for part, fields in (("attention", attn), ("ffn", ffn)) for k, v in fields.items()
+           if k not in ("no_op", "n_heads_in_group", "intermediate_size") and v not in (None, False)]
+    if odd:  # e.g. replace_with_linear, ffn_mult, sparsify of other Nemotron-NAS checkpoints
+        raise ValueError(f"block_configs field(s) {', '.join(odd)} are not supported here (prunelight writes no_op, "
+                         "n_heads_in_group and intermediate_size); load such a checkpoint with trust_remote_code")
+    heads = 0 if attn.get("no_op") else num_attention_heads
+    kv = 0 if attn.get("no_op") else num_attention_heads // int(attn["n_heads_in_group"])
+    inter = 0 if ffn.get("no_op") else int(ffn["intermediate_size"])
+    return {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter}
+
+
+class NemotronNasForCausalLM(_PrunedMixin, LlamaForCausalLM):
+    """A Nemotron-NAS folder in transformers: the pruned Llama of its `layer_shapes`; a no-op sub-block has no norm
+    in this layout, so its pre-norm becomes an identity (its output was never read)."""
+
+    config_class = NemotronNasConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, RemovedAttention):
+                layer.input_layernorm = nn.Identity()
+            if isinstance(layer.mlp, RemovedMLP):
+                layer.post_attention_layernorm = nn.Identity()
+
+
 PRUNED_MODELS = (
     PrunedLlamaForCausalLM, PrunedMistralForCausalLM, PrunedQwen2ForCausalLM, PrunedQwen3ForCausalLM,
-    PrunedGemma2ForCausalLM, PrunedGemma3ForCausalLM, PrunedPhi3ForCausalLM,
+    PrunedGemma2ForCausalLM, PrunedGemma3ForCausalLM, PrunedPhi3ForCausalLM, NemotronNasForCausalLM,
 )
 
 

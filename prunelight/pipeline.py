@@ -49,7 +49,8 @@ def make_plan(
     already made by `allocation.precheck` for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
     importance measures: nothing is run on `batches`. `shape` is the layer-shape constraint (export.format);
-    under `Shape.UNIFORM` with `attn_mlp_split: auto` each uniform shape is measured on calibration NLL.
+    with `attn_mlp_split: auto`, under `Shape.UNIFORM` each uniform shape is measured on calibration NLL, under
+    `Shape.SERVED` the best served layout of each kept group count.
     """
     if sharded:
         _refuse_on_partitioned(settings)
@@ -68,13 +69,15 @@ def make_plan(
 
     search = None
     share = settings.attn_share
-    groups_removed = None
-    if settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
+    groups_removed = groups_kept = None
+    if settings.attn_mlp_split == "auto" and shape is Shape.SERVED:
+        groups_kept, search = _search_served(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    elif settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
         groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    shape=shape, groups_removed=groups_removed)
+                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -87,6 +90,8 @@ def make_plan(
         plan.meta["split_search"] = search
         if groups_removed is not None:  # the uniform shape was chosen by the search: its candidates carry the NLL
             plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
+        if groups_kept is not None:  # the served layout's group count was chosen by the search
+            plan.meta["served_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
     return plan, scores
 
 
@@ -177,6 +182,20 @@ def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings
     best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
     return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,
                                               "best_groups_removed_per_layer": best["groups_removed_per_layer"]}
+
+
+def _search_served(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
+                   layer_scores, batches, reduce_sum) -> tuple[int, dict]:
+    """Measure the best served layout of each kept group count on calibration NLL (masked); the count of the lowest."""
+    first = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.SERVED)
+    tried = []
+    for cand in progress(first.meta["served_shapes"]["candidates"], desc="served layout search", unit="layout"):
+        plan = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.SERVED,
+                        groups_kept=cand["groups_kept"])
+        tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
+    best = min(tried, key=lambda c: (c["calibration_nll"], -c["groups_kept"]))
+    return best["groups_kept"], {"served_layout": True, "by": "calibration_nll", "tried": tried,
+                                 "best_groups_kept": best["groups_kept"]}
 
 
 def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,

@@ -67,6 +67,8 @@ class RunRecord:
     overlap: dict[str, Any] = field(default_factory=dict)
     # export
     export_dir: str | None = None
+    export_format: str | None = None  # stock, nemotron_nas or prunelight: what config.json states
+    engines_verified: list[str] = field(default_factory=list)  # engines the serving check runs this format in
     report_dir: str | None = None
     figures: dict[str, str] | None = None
     notes: list[str] = field(default_factory=list)

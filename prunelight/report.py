@@ -198,7 +198,11 @@ def render_markdown(report: dict) -> str:
     if times:
         lines += ["", "Wall times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())]
     if report.get("export_dir"):
-        lines += ["", f"Exported model: `{report['export_dir']}`"]
+        fmt = report.get("export_format")
+        lines += ["", f"Exported model: `{report['export_dir']}`" + (f" (format `{fmt}`)" if fmt else "")]
+        if report.get("engines_verified"):
+            lines.append(f"Engines this format is verified in (prunelight's serving check, scripts/serve_check.py): "
+                         f"{'; '.join(report['engines_verified'])}")
     return "\n".join(lines) + "\n"
 
 

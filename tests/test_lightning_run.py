@@ -148,7 +148,7 @@ def test_prune_step_checked_against_the_run(tmp_path, recovery, step, max_steps,
 
 def test_unknown_architecture_and_bad_module_settings():
     with pytest.raises(ValueError, match=r"unsupported architecture model_type='gpt2'; prunelight supports: gemma2, gemma3_text, "
-                       r"llama, mistral, phi3, .*qwen3"):
+                       r"llama, mistral, nemotron-nas, phi3, .*qwen3"):
         PruneLM(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}).configure_model()
     with pytest.raises(ValueError, match="unknown recovery mode 'qlora'"):
         PruneLM(recovery="qlora")

@@ -10,7 +10,9 @@ Any of them can split the budget x:y between attention and MLP (global, layerwis
 MLP channels to a hardware-friendly multiple.
 
 Each allocation is a row of `registry.ALLOCATIONS` (what it needs, the shape constraints it honours,
-its pre-check); `precheck` and `allocate` below are the same for all of them.
+its pre-check); `precheck` and `allocate` below are the same for all of them. The shape constraint comes
+from `export.format` (`shapes.EXPORT_SHAPES`): FREE (auto), UNIFORM (stock: stock.py), SERVED
+(nemotron_nas: served.py; under it the served layout's budget is target <= P < target + align * c_cost).
 
 Budget: global, layerwise, blockwise and depth (with fill_width) remove target <= P < target + c_cost
 (one MLP channel); uniform keeps equal layer shapes, so target <= P < target + num_layers * c_cost;
@@ -62,14 +64,16 @@ def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
 def precheck(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE) -> Budget:
     """Measure the model once and refuse settings its sizes cannot meet (model sizes only: before any data).
 
-    Runs the shape constraint's settings check, the allocation's pre-check and the shape's size check.
+    Runs the shape constraint's settings and config checks, the allocation's pre-check and the shape's size check.
     """
     check_shape(settings, shape)
+    rule = SHAPES[shape]
+    if rule.check_config is not None:
+        rule.check_config(model.config)
     budget = make_budget(model, settings)
     row = allocation_of(settings.allocation)
     if row.precheck is not None:
         row.precheck(budget, settings, shape)
-    rule = SHAPES[shape]
     if rule.check_sizes is not None and not (shape is not Shape.FREE and row.drops_layers):
         rule.check_sizes(budget, settings, shape)  # dropped layers are known only after scoring
     return budget
@@ -84,13 +88,15 @@ def allocate(
     attn_share: float | None = None,
     shape: Shape = Shape.FREE,
     groups_removed: int | None = None,
+    groups_kept: int | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
     `attn_share` overrides the settings' fixed split (the split search tries several); allocations with
     `layer_importance` need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
     `shape` is the layer-shape constraint (`Shape.UNIFORM` for export.format: stock); `groups_removed` then
-    fixes the groups removed per layer (the calibration search tries each).
+    fixes the groups removed per layer (the calibration search tries each); under `Shape.SERVED`
+    (export.format: nemotron_nas) `groups_kept` fixes the groups kept in every layer keeping attention.
     """
     row = allocation_of(settings.allocation)
     rule = SHAPES[shape]
@@ -103,7 +109,7 @@ def allocate(
     check_scores(scores, budget)
     if row.layer_importance and layer_scores is None:
         raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
-    inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed)
+    inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed, groups_kept)
     removal = rule.finish(inp, row.by_shape[shape](inp))
     plan = build_plan(budget, removal.removed, removal.drop)
     plan.meta = {"allocation": row.name, **removal.extra, **plan_meta(budget, plan)}

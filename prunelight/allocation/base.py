@@ -24,6 +24,7 @@ class Shape(enum.Enum):
 
     FREE = "free"  # per-layer widths (export.format: auto)
     UNIFORM = "uniform"  # one shape in every kept layer: a stock config (export.format: stock)
+    SERVED = "served"  # free MLP widths, one GQA group count in every layer keeping attention (nemotron_nas)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class AllocationInputs:
     block_scores: dict[str, Sequence[float]] | None = None  # measured sub-block removal (rows that ask for it)
     attn_share: float | None = None  # the attention share of the budget (fixed split, or the split search's try)
     groups_removed: int | None = None  # Shape.UNIFORM: the groups removed per layer, when the search fixes it
+    groups_kept: int | None = None  # Shape.SERVED: the groups kept in every layer keeping attention, when fixed
 
 
 @dataclass

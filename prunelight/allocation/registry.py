@@ -1,32 +1,34 @@
 """The allocation registry: every `prune.allocation` choice is one `Allocation` row here.
 
 A row names the allocation function per shape constraint it honours (`Shape.FREE`: per-layer widths,
-`Shape.UNIFORM`: one shape for a stock config) and states what the allocation needs (layer importance,
-sub-block removal measures), which options it honours (split, KV-cache target) and its cheap pre-check
-(model sizes only). Everything else reads these facts: the settings' choices and checks, `check_run`,
-the scoring pass, saved-scores checks, the benchmarks. To add an allocation, write its function in a
-module of this package and add its row to `ROWS` (or call `register` from elsewhere, as tests do).
+`Shape.UNIFORM`: one shape for a stock config, `Shape.SERVED`: the Nemotron-NAS layout vLLM serves) and
+states what the allocation needs (layer importance, sub-block removal measures), which options it honours
+(split, KV-cache target) and its cheap pre-check (model sizes only). Everything else reads these facts: the
+settings' choices and checks, `check_run`, the scoring pass, saved-scores checks, the benchmarks. To add an
+allocation, write its function in a module of this package and add its row to `ROWS` (or call `register`
+from elsewhere, as tests do).
 """
 
 from __future__ import annotations
 
 from prunelight.allocation.base import Allocation, Shape
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
+from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import allocate_blockwise, allocate_depth, allocate_depth_uniform
 from prunelight.allocation.width import allocate_global, allocate_uniform, check_removable, check_uniform
 
 ROWS = (
-    Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: allocate_uniform_shape}, splits=True,
-               kv_target=True, precheck=check_removable),
-    Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: allocate_uniform_shape}, kv_target=True,
-               precheck=check_uniform),
+    Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: allocate_uniform_shape,
+                          Shape.SERVED: allocate_served}, splits=True, kv_target=True, precheck=check_removable),
+    Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: allocate_uniform_shape,
+                           Shape.SERVED: allocate_served}, kv_target=True, precheck=check_uniform),
     Allocation("layerwise", {Shape.FREE: allocate_layerwise}, layer_importance=True, splits=True,
                precheck=check_layerwise),
     Allocation("blockwise", {Shape.FREE: allocate_blockwise},
                block_removal=lambda settings: settings.block_importance == "removal"),
-    Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform}, layer_importance=True,
-               drops_layers=True),
+    Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform,
+                         Shape.SERVED: allocate_depth_served}, layer_importance=True, drops_layers=True),
 )
 
 ALLOCATIONS: dict[str, Allocation] = {row.name: row for row in ROWS}

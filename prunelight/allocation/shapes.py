@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prunelight.allocation.align import align_channels
 from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, true_up
+from prunelight.allocation.served import check_served_config, check_served_settings, check_served_sizes
 from prunelight.allocation.stock import check_uniform_settings, check_uniform_sizes
 from prunelight.allocation.width import kind_targets
 
@@ -58,6 +59,8 @@ class ShapeRule:
     """Why an allocation without a function for this shape is refused (the refusal names it)."""
     check_settings: Callable[[PruneSettings], None] = _no_settings_check
     """Settings-only refusals (before any weights load)."""
+    check_config: Callable[[Any], None] | None = None
+    """Model-config refusals (family, attention kind: before any weights load); `check_run` and `precheck` run it."""
     check_sizes: Callable[[Budget, PruneSettings, Shape], None] | None = None
     """Model-size refusals (before data is read); skipped for allocations that drop layers (known after scoring)."""
     finish: Callable[[AllocationInputs, Removal], Removal] = _finish_as_is
@@ -70,10 +73,13 @@ SHAPES: dict[Shape, ShapeRule] = {
     Shape.FREE: ShapeRule(Shape.FREE, why="", check_sizes=_free_sizes, finish=_finish_free),
     Shape.UNIFORM: ShapeRule(Shape.UNIFORM, why="it gives per-layer widths", check_settings=check_uniform_settings,
                              check_sizes=check_uniform_sizes, kv_target=False),
+    Shape.SERVED: ShapeRule(Shape.SERVED, why="its attention widths differ per layer",
+                            check_settings=check_served_settings, check_config=check_served_config,
+                            check_sizes=check_served_sizes, kv_target=False),
 }
 
 # export.format -> the shape constraint of the cut (export.py writes the folder; allocation honours the shape).
-EXPORT_SHAPES: dict[str, Shape] = {"auto": Shape.FREE, "stock": Shape.UNIFORM}
+EXPORT_SHAPES: dict[str, Shape] = {"auto": Shape.FREE, "stock": Shape.UNIFORM, "nemotron_nas": Shape.SERVED}
 
 
 def shape_of_format(export_format: str) -> Shape:

@@ -1,0 +1,153 @@
+"""Prefill and decode tokens/s in vLLM: dense vs pruned SmolLM2 (stock, nemotron_nas, nemotron_nas with aligned widths).
+
+Each pruned folder is cut from the dense float32 folder by weight magnitude (speed depends on shapes, not on
+which units go; the layout choices are those of a real run: stock = one shape, nemotron_nas = free MLP widths
+with one GQA group count, aligned = the same with `align_channels`), exported by prunelight, then served by
+vLLM (its own environment, float32, eager) in a fresh engine per folder: one warm-up, then `--repeats` timed
+runs of a prefill-only request (1 output token) and a decode request (`--decode-tokens`); decode time is the
+decode request less its prefill. Medians; speedup vs dense and the ideal (params_dense / params_pruned).
+Run it ALONE on the machine (other processes change the figures); ~15 min on 2 cores:
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/benchmark_vllm_speed.py --dense /work/models/smollm2-f32 --tag cpu
+
+(OMP_NUM_THREADS applies to the pruning here; the vLLM processes get vLLM's own thread binding.)
+
+Writes results/benchmarks/vllm_speed_<tag>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = (("stock", 1), ("nemotron_nas", 1), ("nemotron_nas", 64))  # (format, align_channels)
+
+
+def prune_folder(dense: Path, fmt: str, ratio: float, align: int, out: Path) -> Path:
+    """`dense` cut by magnitude to `ratio` for `fmt` (align_channels `align`) and exported to `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prunelight.export import export_pretrained
+    from prunelight.allocation import shape_of_format
+    from prunelight.pipeline import make_plan
+    from prunelight.settings import PruneSettings
+    from prunelight.surgery import apply_plan
+
+    if (out / "config.json").is_file():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    s = PruneSettings(ratio=ratio, criterion="magnitude", reconstruct="none", align_channels=align)
+    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
+    apply_plan(model, plan)
+    return export_pretrained(model, out, AutoTokenizer.from_pretrained(dense), format=fmt)
+
+
+def n_params(folder: Path) -> int:
+    """Parameters stored in a folder's safetensors (tied embeddings once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                total += math.prod(st.get_slice(k).get_shape())
+    return total
+
+
+def time_folder(folder: Path, args, log: Path) -> dict:
+    """vLLM timings of one folder (a fresh engine in vLLM's environment)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"folder": str(folder.resolve()), "max_model_len": 512,
+                                    "trust_remote_code": bool(cfg.get("auto_map")),
+                                    "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
+                                              "decode_tokens": args.decode_tokens, "batch": args.batch}}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("PYTHONPATH", None)
+        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own CPU threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
+        with open(log, "w") as sink:
+            proc = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
+                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM failed on {folder}; see {log}")
+        res = json.loads(out.read_text())
+    runs = res["speed"]
+    return {"engine": res["engine"], "architecture": res["architecture"][0], "runs": runs,
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs)}
+
+
+def main() -> None:
+    """Prune, serve and time every variant; write the JSON and markdown table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dense", default="/work/models/smollm2-f32")
+    ap.add_argument("--ratios", default="0.2,0.3")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "vllm_speed"))
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out", default=str(ROOT / "results" / "benchmarks"))
+    args = ap.parse_args()
+    dense, work = Path(args.dense), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folders = [("dense", "-", 0.0, 1, dense)]
+    for ratio in [float(r) for r in args.ratios.split(",")]:
+        for fmt, align in VARIANTS:
+            name = f"{fmt}_{int(round(ratio * 100))}" + (f"_a{align}" if align > 1 else "")
+            folders.append((name, fmt, ratio, align, prune_folder(dense, fmt, ratio, align, work / name)))
+    rows = []
+    for name, fmt, ratio, align, folder in folders:
+        t0 = time.time()
+        timing = time_folder(folder, args, work / f"{name}.log")
+        rows.append({"name": name, "format": fmt, "ratio": ratio, "align_channels": align,
+                     "params": n_params(folder), **timing})
+        print(f"{name}: prefill {timing['prefill_tok_s']:.0f} tok/s, decode {timing['decode_tok_s']:.1f} tok/s "
+              f"({time.time() - t0:.0f} s)", flush=True)
+    write(rows, args)
+
+
+def write(rows: list[dict], args) -> None:
+    """results/benchmarks/vllm_speed_<tag>.{json,md}."""
+    base = rows[0]
+    for r in rows:
+        r["ideal_speedup"] = base["params"] / r["params"]
+        r["prefill_speedup"] = r["prefill_tok_s"] / base["prefill_tok_s"]
+        r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+    out = Path(args.out) / f"vllm_speed_{args.tag}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"engine": base["engine"], "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), **{k: v for k, v in vars(args).items()}}
+    out.with_suffix(".json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
+    lines = [f"# vLLM speed: dense vs pruned SmolLM2-135M ({base['engine']}, float32, eager, CPU)", "",
+             f"batch {args.batch} x {args.prompt_len} prompt tokens; decode {args.decode_tokens} tokens; median of "
+             f"{args.repeats} runs after one warm-up; a fresh engine per folder. Ideal = params_dense / params_pruned.",
+             "", "| folder | format | align | params | prefill tok/s | decode tok/s | prefill x | decode x | ideal x |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['format']} ({r['architecture']}) | {r['align_channels']} | {r['params']:,} | "
+                     f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['prefill_speedup']:.2f} | "
+                     f"{r['decode_speedup']:.2f} | {r['ideal_speedup']:.2f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

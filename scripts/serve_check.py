@@ -1,0 +1,210 @@
+"""Serving check: every export format prunelight writes is served by vLLM with greedy output equal to transformers'.
+
+For each folder: greedy continuations of a fixed prompt set from transformers (prunelight imported, float32,
+on the folder as written) and from vLLM (its own environment, `scripts/vllm_generate.py`, float32, eager) on
+the same folder; the continuations must be equal token for token, and the largest difference of the chosen
+tokens' log-probabilities is printed. Writes a JSON summary.
+
+    # tiny models built from configs (stock, nemotron_nas, nemotron_nas with removed sub-blocks), ~4 min:
+    python scripts/serve_check.py --tiny --vllm-python /work/vllm-venv/bin/python
+    # SmolLM2 (a float32 HF folder), pruned 20% to stock and nemotron_nas (magnitude, no calibration), ~6 min:
+    python scripts/serve_check.py --prune /work/models/smollm2-f32 --vllm-python /work/vllm-venv/bin/python
+    # folders a run wrote:
+    python scripts/serve_check.py --folder runs/x/model --vllm-python /work/vllm-venv/bin/python
+
+Exit status 1 when any folder's continuations differ (or vLLM fails to serve it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prunelight.export import export_pretrained, format_of  # noqa: E402
+
+TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
+                "The three primary colors are"]
+MAX_TOKENS = 16
+
+
+def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Greedy tokens and their log-probabilities from transformers on `folder` (float32, full recompute per step)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq, toks, lps, gaps = list(ids), [], [], []
+            for _ in range(max_tokens):
+                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+                top = torch.topk(logp, 2)
+                tok = int(top.indices[0])
+                toks.append(tok)
+                lps.append(float(logp[tok]))
+                gaps.append(float(top.values[0] - top.values[1]))
+                seq.append(tok)
+            out.append({"tokens": toks, "logprobs": lps, "top2_gap": gaps})
+    return out
+
+
+def vllm_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int, vllm_python: str,
+                max_model_len: int = 512, log: Path | None = None) -> dict:
+    """vLLM's greedy tokens and log-probabilities on `folder`, from its own environment (a subprocess)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        spec.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": prompts,
+                                    "max_tokens": max_tokens, "max_model_len": max_model_len,
+                                    "trust_remote_code": bool(cfg.get("auto_map"))}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env.pop("PYTHONPATH", None)  # vLLM's environment, not prunelight's
+        with open(log or os.devnull, "w") as sink:
+            proc = subprocess.run([vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
+                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"vLLM could not serve {folder} (exit {proc.returncode}; log: {log})")
+        return json.loads(out.read_text())
+
+
+def compare(ref: list[dict], eng: list[dict]) -> dict:
+    """Equal continuations?, the largest |log-prob difference| over the common prefix, and the first divergence."""
+    equal, worst, first = True, 0.0, None
+    for p, (a, b) in enumerate(zip(ref, eng)):
+        n = 0
+        while n < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][n] == b["tokens"][n]:
+            n += 1
+        worst = max([worst] + [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])])
+        if n < len(a["tokens"]) or len(a["tokens"]) != len(b["tokens"]):
+            equal = False
+            first = first or {"prompt": p, "step": n, "transformers_top2_gap": a["top2_gap"][n]}
+    return {"equal": equal, "max_abs_logprob_diff": worst, "first_divergence": first}
+
+
+def check_folder(folder: str | Path, prompts: list[list[int]], vllm_python: str, max_model_len: int = 512,
+                 max_tokens: int = MAX_TOKENS, log_dir: Path | None = None) -> dict:
+    """transformers vs vLLM on one folder: the comparison plus what was served."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    ref = transformers_greedy(folder, prompts, max_tokens)
+    log = (log_dir / f"vllm_{Path(folder).name}.log") if log_dir else None
+    eng = vllm_greedy(folder, prompts, max_tokens, vllm_python, max_model_len, log)
+    res = {"folder": str(folder), "format": format_of(_Cfg(cfg)), "architecture": eng["architecture"],
+           "engine": eng["engine"], "prompts": len(prompts), "new_tokens": max_tokens,
+           **compare(ref, eng["outputs"]), "vllm_load_s": round(eng["load_s"], 1)}
+    print(f"{res['format']:>13} {Path(folder).name:<22} {'EQUAL' if res['equal'] else 'DIFFER'}  "
+          f"max |logprob diff| {res['max_abs_logprob_diff']:.2e}  ({res['engine']}, {res['architecture'][0]})",
+          flush=True)
+    return res
+
+
+class _Cfg:
+    def __init__(self, d: dict) -> None:
+        self.__dict__.update(d)
+
+
+def _cut(model, fmt: str, ratio: float, min_groups: int = 1):
+    """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text)."""
+    from prunelight.allocation import shape_of_format
+    from prunelight.pipeline import make_plan
+    from prunelight.settings import PruneSettings
+    from prunelight.surgery import apply_plan
+
+    s = PruneSettings(ratio=ratio, criterion="magnitude", reconstruct="none", min_groups=min_groups)
+    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
+    apply_plan(model, plan)
+    return model
+
+
+def tiny_folders(out: Path) -> list[Path]:
+    """Tiny Llama exports: stock, nemotron_nas (allocated), nemotron_nas with a removed attention and MLP."""
+    from prunelight.plan import LayerPlan, PrunePlan
+    from prunelight.surgery import apply_plan
+    from prunelight.testing import tiny_model, tiny_tokenizer
+
+    # head_dim 32: vLLM's CPU attention kernels take 32, 64, 80, 96, 112, 128... (not the tests' usual 16)
+    def make(seed=0):
+        return tiny_model("llama", seed=seed, num_hidden_layers=4, head_dim=32, initializer_range=0.2,
+                          tie_word_embeddings=True)
+
+    tok = tiny_tokenizer()
+    folders = [export_pretrained(_cut(make(), "stock", 0.3), out / "tiny_stock", tok, format="stock"),
+               export_pretrained(_cut(make(), "nemotron_nas", 0.35, min_groups=0), out / "tiny_nemotron_nas", tok,
+                                 format="nemotron_nas")]
+    m = make()
+    n = m.config.intermediate_size
+    plan = PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
+                             LayerPlan([1], []), LayerPlan([1], list(range(n)))],
+                     num_groups=[2] * 4, num_channels=[n] * 4)
+    apply_plan(m, plan)
+    folders.append(export_pretrained(m, out / "tiny_nemotron_nas_noop", tok, format="nemotron_nas"))
+    return folders
+
+
+def tiny_prompts(n: int = 4, length: int = 6, vocab: int = 128) -> list[list[int]]:
+    """Fixed token-id prompts for the tiny models."""
+    g = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def pruned_folders(source: str, out: Path, ratio: float) -> list[Path]:
+    """`source` pruned by `ratio` for stock and nemotron_nas, exported (tokenizer copied)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source)
+    folders = []
+    for fmt in ("stock", "nemotron_nas"):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        folders.append(export_pretrained(_cut(model, fmt, ratio), out / f"{Path(source).name}_{fmt}", tok,
+                                         format=fmt))
+    return folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check on the folders asked for; write the summary JSON; non-zero exit if any differ."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--tiny", action="store_true", help="build, prune and export tiny Llama models")
+    ap.add_argument("--prune", action="append", default=[], help="a float32 HF folder to prune (stock, nemotron_nas)")
+    ap.add_argument("--ratio", type=float, default=0.2)
+    ap.add_argument("--folder", action="append", default=[], help="an exported folder to check as it is")
+    ap.add_argument("--work", default=None, help="where pruned folders and vLLM logs go (default: a temp folder)")
+    ap.add_argument("--out", default=None, help="summary JSON path")
+    args = ap.parse_args(argv)
+    work = Path(args.work or tempfile.mkdtemp(prefix="serve_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    if args.tiny:
+        for f in tiny_folders(work):
+            results.append(check_folder(f, tiny_prompts(), args.vllm_python, max_model_len=128, log_dir=work))
+    for source in args.prune:
+        from transformers import AutoTokenizer
+
+        prompts = [AutoTokenizer.from_pretrained(source)(p)["input_ids"] for p in TEXT_PROMPTS]
+        for f in [Path(source), *pruned_folders(source, work, args.ratio)]:
+            results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
+    for f in args.folder:
+        from transformers import AutoTokenizer
+
+        prompts = [AutoTokenizer.from_pretrained(f)(p)["input_ids"] for p in TEXT_PROMPTS]
+        results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
+    summary = {"results": results, "all_equal": all(r["equal"] for r in results)}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(f"serve check: {sum(r['equal'] for r in results)} of {len(results)} folder(s) equal; largest |logprob diff| "
+          f"{max((r['max_abs_logprob_diff'] for r in results), default=0):.2e}")
+    return 0 if summary["all_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
