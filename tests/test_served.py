@@ -228,14 +228,13 @@ def test_vllm_serves_pruned_smollm2_equal_to_transformers(tmp_path, shared):
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not (gguf / name).is_file() or importlib.util.find_spec("gguf") is None:
         pytest.skip("SmolLM2 check: needs ../shared/models/smollm2-135m-instruct-gguf and the gguf package")
-    from transformers import AutoTokenizer
+    from prunelight import sources
 
-    model = AutoModelForCausalLM.from_pretrained(gguf, gguf_file=name, dtype=torch.float32)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    source = sources.resolve_pretrained(str(gguf / name))
+    model = sources.load_model(source, dtype=torch.float32)  # dequantized, the quantizer dropped: saves as a folder
     folder = tmp_path / "smollm2-f32"
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(gguf, gguf_file=name).save_pretrained(folder)
+    sources.load_tokenizer(source).save_pretrained(folder)
     out = tmp_path / "summary.json"
     assert _serve_check().main(["--prune", str(folder), "--vllm-python", exe, "--work", str(tmp_path),
                                 "--out", str(out)]) == 0
