@@ -151,7 +151,8 @@ def test_module_loads_gguf_and_the_teacher_reloads_from_it(tiny_gguf):
     assert lm.dense_pretrained == str(path)
     lm.configure_model()
     assert lm.record.source["format"] == "gguf" and lm.record.source["quantization"] == "Q8_0"
-    assert lm.load_tokenizer()("the")["input_ids"] == [259, 104]  # the GGUF's own merges: "th" + "e"
+    # The GGUF's own merges: "th" + "e" (whether a BOS is prepended depends on the transformers release).
+    assert lm.load_tokenizer()("the", add_special_tokens=False)["input_ids"] == [259, 104]
     teacher = lm.teacher()  # no snapshot was taken: loaded from the source, as after a resume
     torch.testing.assert_close(_logits(teacher, IDS), _logits(lm.model, IDS), atol=0, rtol=0)
 
