@@ -15,6 +15,7 @@ from torch import nn
 
 from prunelight.allocation import Budget, allocate, make_budget, precheck
 from prunelight.allocation.budget import plan_meta, plan_params_removed
+from prunelight.allocation.calibrated import Probes, measure_probes
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
 from prunelight.console import progress
@@ -74,8 +75,11 @@ def make_plan(
         groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    probes = None
+    if settings.allocation == "calibrated" and not uniform_shape:
+        probes = _probes(model, budget, scores, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    uniform_shape=uniform_shape, groups_removed=groups_removed)
+                    uniform_shape=uniform_shape, groups_removed=groups_removed, probes=probes)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -144,11 +148,24 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
     return scores, measured, block_scores, crit.num_samples, imp_batches
 
 
+def _probes(model: nn.Module, budget: Budget, scores: UnitScores, batches: list[torch.Tensor],
+            reduce_sum: ReduceSum | None) -> Probes:
+    """The calibrated allocation's probe removals, averaged over ranks so every rank builds the same plan."""
+    if not batches:
+        raise ValueError("allocation 'calibrated' needs calibration batches to measure its probe removals")
+    probes = measure_probes(model, batches, scores, budget)
+    if reduce_sum is not None:
+        for kind, values in probes.loss.items():
+            mean = mean_over_ranks([0.0 if v is None else v for v in values], reduce_sum)
+            probes.loss[kind] = [None if v is None else m for v, m in zip(values, mean)]
+    return probes
+
+
 def _refuse_on_partitioned(settings: PruneSettings) -> None:
     """Options that run extra forward passes on masked (written-to) weights cannot run on ZeRO-3 partitions."""
     unsupported = [
         name for name, bad in (
-            (f"prune.allocation={settings.allocation}", settings.allocation in ("layerwise", "depth")),
+            (f"prune.allocation={settings.allocation}", settings.allocation in ("layerwise", "depth", "calibrated")),
             ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
             ("prune.block_importance=removal", settings.block_importance == "removal"),
         ) if bad

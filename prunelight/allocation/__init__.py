@@ -6,6 +6,8 @@
 - `layerwise`: per-layer rates from layer importance (see layerwise.py), units chosen inside each layer.
 - `blockwise`: whole attention / MLP sub-blocks by importance per parameter, width pruning for the rest.
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
+- `calibrated`: the global knapsack on scores rescaled per sub-block by the measured calibration-loss increase
+  of a probe removal (calibrated.py), each sub-block capped at `calibrated_reach` x its probe.
 Any of them can split the budget x:y between attention and MLP (global, layerwise) and round kept
 MLP channels to a hardware-friendly multiple.
 
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from prunelight.allocation.align import align_channels as _align
+from prunelight.allocation.calibrated import Probes, calibrated_scores, calibrated_width
 from prunelight.allocation.budget import (
     Budget,
     build_plan,
@@ -106,6 +109,7 @@ def allocate(
     attn_share: float | None = None,
     uniform_shape: bool = False,
     groups_removed: int | None = None,
+    probes: Probes | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
@@ -113,6 +117,7 @@ def allocate(
     depth need `layer_scores`, blockwise with `block_importance: removal` takes `block_scores`.
     `uniform_shape` (export.format: stock) keeps one shape in every kept layer (allocation/stock.py);
     `groups_removed` then fixes the groups removed per layer (the calibration search tries each).
+    `calibrated` needs the `probes` measured by `calibrated.measure_probes` (make_plan measures them).
     """
     if uniform_shape:
         return _allocate_stock(budget, scores, settings, layer_scores, attn_share, groups_removed)
@@ -125,6 +130,8 @@ def allocate(
     check_scores(scores, budget)
     if method in NEEDS_LAYER_IMPORTANCE and layer_scores is None:
         raise ValueError(f"allocation {method!r} needs layer importance (layer_scores); make_plan measures it")
+    if method == "calibrated" and probes is None:
+        raise ValueError("allocation 'calibrated' needs its probe removals measured (probes); make_plan measures them")
     extra: dict = {"allocation": method}
     drop: set[int] = set()
     if method == "global":
@@ -140,6 +147,10 @@ def allocate(
     elif method == "blockwise":
         removed, gone = blockwise(scores, budget, block_scores, settings.fill_width)
         extra.update(blocks_removed=[f"{k}{i}" for k, i in gone])
+    elif method == "calibrated":
+        removed = calibrated_width(scores, budget, probes, settings.calibrated_reach)
+        scores = calibrated_scores(scores, probes)  # the true-up below moves units on the same (loss) scale
+        extra.update(calibrated_reach=settings.calibrated_reach, probes=probes.as_dict())
     else:
         removed, drop = depth(scores, budget, layer_scores, settings.fill_width)
     if share is not None:
