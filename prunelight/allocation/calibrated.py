@@ -49,12 +49,12 @@ class Probes:
     loss: dict[str, list[float | None]]  # kind -> per layer, NLL increase of removing the probe slice
     slices: dict[str, list[list[int]]]  # kind -> per layer, the probed unit indices
     tokens: int
+    stderr: dict[str, list[float | None]] | None = None  # standard error of each loss over calibration sequences
 
     def as_dict(self) -> dict:
         """JSON-able form for the plan's meta."""
-        return {"base_nll": self.base_nll, "loss": self.loss, "slice_sizes": {k: [len(s) for s in v]
-                                                                             for k, v in self.slices.items()},
-                "tokens": self.tokens}
+        return {"base_nll": self.base_nll, "loss": self.loss, "stderr": self.stderr,
+                "slice_sizes": {k: [len(s) for s in v] for k, v in self.slices.items()}, "tokens": self.tokens}
 
 
 def probe_fraction(budget: Budget) -> float:
@@ -87,11 +87,11 @@ class _Inject(nn.Module):
         return self.states[self.batch]
 
 
-def _token_nll(base: nn.Module, ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token NLL (fp32) and the scored tokens of one batch."""
+def _token_nll(base: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL (fp64) of each sequence of one batch."""
     logits = base(input_ids=ids, use_cache=False).logits.float()
-    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-    return float(nll), ids[:, 1:].numel()
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return nll.view(ids.shape[0], -1).sum(1).double().cpu()
 
 
 @torch.no_grad()
@@ -117,16 +117,16 @@ def measure_probes(model: nn.Module, batches: Sequence[torch.Tensor], scores: Un
     base.eval()
     handles = [layer.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        total, tokens = 0.0, 0
-        for ids in batches:
-            nll, n = _token_nll(base, ids)
-            total, tokens = total + nll, tokens + n
+        base_seq = torch.cat([_token_nll(base, ids) for ids in batches])
     finally:
         for h in handles:
             h.remove()
-    base_nll = total / tokens
+    tokens = sum(ids[:, 1:].numel() for ids in batches)
+    per_seq = tokens / base_seq.numel()  # scored tokens per sequence (all sequences have one length per batch)
+    base_nll = float(base_seq.sum()) / tokens
     slices = probe_slices(scores, budget, fraction)
     loss: dict[str, list[float | None]] = {k: [None] * len(layers) for k in KINDS}
+    stderr: dict[str, list[float | None]] = {k: [None] * len(layers) for k in KINDS}
     jobs = [(i, kind) for i in range(len(layers)) for kind in KINDS if slices[kind][i]]
     try:
         for i, kind in progress(jobs, "calibrated allocation: probe removals", unit="probe"):
@@ -140,21 +140,85 @@ def measure_probes(model: nn.Module, batches: Sequence[torch.Tensor], scores: Un
                 if i:  # layer 0 is run from the embeddings as usual
                     family.set_layers(base, nn.ModuleList([inject, *list(layers)[i:]]))
                 try:
-                    total = 0.0
+                    seqs = []
                     for b, ids in enumerate(batches):
                         inject.batch = b
-                        total += _token_nll(base, ids)[0]
+                        seqs.append(_token_nll(base, ids))
                 finally:
                     family.set_layers(base, layers)
-            loss[kind][i] = total / tokens - base_nll
+            # Paired per-sequence differences: the same text with and without the slice.
+            diff = (torch.cat(seqs) - base_seq) / per_seq
+            loss[kind][i] = float(diff.sum()) * per_seq / tokens
+            n = diff.numel()
+            stderr[kind][i] = float(diff.std(unbiased=True)) / n ** 0.5 if n > 1 else 0.0
     finally:
         base.train(was_training)
-    return Probes(base_nll, loss, slices, tokens)
+    return Probes(base_nll, loss, slices, tokens, stderr)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    if not n:
+        return 0.0
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def shrunk_losses(scores: UnitScores, probes: Probes) -> dict[str, list[float | None]]:
+    """Probe losses with their noise shrunk away (empirical Bayes), per unit kind.
+
+    Probes of one kind remove the same share of units (the same parameters), so before measuring, their losses
+    are exchangeable: the prior of each is the kind's median loss m. The spread of the losses beyond what the
+    probes' own standard errors explain, tau^2 = max(0, MAD^2 - median(se_i^2)) (robust: one very sensitive
+    layer does not inflate it), is the real per-layer signal; a layer far outside the noise has its own,
+    t_i^2 = max(tau^2, (dL_i - m)^2 - se_i^2), and each loss moves toward m by se_i^2 / (t_i^2 + se_i^2). Precise probes keep their measurement,
+    noisy ones fall back on the kind's mean: no constant chooses how much to trust a layer.
+    """
+    out: dict[str, list[float | None]] = {}
+    for kind in KINDS:
+        loss = probes.loss[kind]
+        se = (probes.stderr or {}).get(kind) or [0.0] * len(loss)
+        live = [i for i, d in enumerate(loss) if d is not None]
+        # Median and MAD: one very sensitive layer (often the first) must not set the prior or the spread.
+        center = _median([loss[i] for i in live])
+        prior = {i: center for i in live}
+        spread = 1.4826 * _median([abs(loss[i] - center) for i in live])  # the normal-consistent MAD
+        noise = _median([float(se[i] or 0.0) ** 2 for i in live])
+        tau2 = max(0.0, spread ** 2 - noise)
+        shrunk: list[float | None] = [None] * len(loss)
+        for i in live:
+            s2 = float(se[i] or 0.0) ** 2
+            # A layer far outside the noise keeps its measurement (its own signal estimate (dL_i - m)^2 - se_i^2
+            # beats the pooled one): a normal prior alone would shrink a truly sensitive layer to the median.
+            signal = max(tau2, (loss[i] - center) ** 2 - s2)
+            w = signal / (signal + s2) if signal + s2 > 0 else 1.0
+            shrunk[i] = prior[i] + w * (loss[i] - prior[i])
+        out[kind] = shrunk
+    return out
+
+
+def _costs(scores: UnitScores) -> UnitScores:
+    """Scores as non-negative costs: one shift per kind so its lowest score is 0 when some are negative.
+
+    Criteria that standardise their scores (FLAP's z-scores) give negative values; one shift per kind keeps
+    every spacing between units (what a knapsack compares) and makes a slice's summed cost meaningful.
+    """
+    out: UnitScores = {}
+    for kind in KINDS:
+        ts = [t.detach().float() for t in scores[kind]]
+        finite = [t[torch.isfinite(t)] for t in ts]
+        low = min((float(t.min()) for t in finite if t.numel()), default=0.0)
+        shift = min(low, 0.0)
+        out[kind] = [torch.nan_to_num(t - shift, nan=0.0, posinf=float(torch.finfo(torch.float32).max), neginf=0.0)
+                     for t in ts]
+    return out
 
 
 def calibrated_scores(scores: UnitScores, probes: Probes) -> UnitScores:
-    """Each sub-block's scores scaled so its probe slice sums to the probe's measured loss increase."""
-    measured = [v for k in KINDS for v in probes.loss[k] if v is not None]
+    """Each sub-block's scores scaled so its probe slice sums to the probe's (noise-shrunk) loss increase."""
+    scores = _costs(scores)
+    losses = shrunk_losses(scores, probes)
+    measured = [v for k in KINDS for v in losses[k] if v is not None]
     # A probe that lowered the loss (or changed nothing) is not free: it gets the smallest positive measured cost
     # so its units still go first, in the criterion's order, without a zero scale erasing that order.
     positive = [v for v in measured if v > 0]
@@ -164,7 +228,7 @@ def calibrated_scores(scores: UnitScores, probes: Probes) -> UnitScores:
         scaled = []
         for i, t in enumerate(scores[kind]):
             s = t.detach().float().clamp_min(0)
-            d = probes.loss[kind][i]
+            d = losses[kind][i]
             if d is None:  # nothing removable here: keep the order, scale never used by the knapsack's limits
                 scaled.append(s)
                 continue
