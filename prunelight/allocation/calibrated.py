@@ -8,19 +8,20 @@ the MLPs of layers 1-3 (docs/methods.md, "Calibrated allocation").
 
 The calibrated allocation keeps the criterion's scores as they are and only rescales them:
 
-1. For every sub-block (attention or MLP of one layer) a *probe slice* is taken: its lowest-scored units
-   worth one GQA group's parameters (one group; the same parameter count of MLP channels), so every probe
-   removes about the same number of parameters and the measured losses are comparable per parameter.
-2. The probe is masked alone and the calibration NLL increase dL is measured (only the layers from the probed
-   one onward are rerun, from cached layer inputs).
-3. Every unit of the sub-block is scaled by dL / S, S being the probe slice's summed (non-negative) scores,
-   so the probe slice's calibrated scores add up to its measured loss. Inside a sub-block the order and
-   the relative spacing of the criterion's scores are kept; across sub-blocks the scale is the loss.
-4. The global fractional knapsack (`width.global_width`) runs on the calibrated scores.
-
-Because the scores are sorted inside a sub-block, the knapsack takes each sub-block's units cheapest first:
-it is a marginal-cost allocation with the criterion's score curve as the shape of each sub-block's cost and
-the measured probe loss as its scale.
+1. For every sub-block (attention or MLP of one layer) a *probe slice* is taken: its lowest-scored units at
+   the operating point, the share f of removable units the budget would take if spread evenly (at least one
+   unit: one GQA group on a 3-group model).
+2. The probe is masked alone and the calibration NLL increase dL is measured per sequence (paired with the
+   dense NLL of the same text, so it has a standard error); only the layers from the probed one onward are
+   rerun, from cached layer inputs.
+3. Noise is shrunk away per unit kind (empirical Bayes, robust: median prior, MAD spread, no constant to tune):
+   a probe within its noise of the kind's median falls back toward it, a clearly sensitive layer keeps its
+   measurement (`shrunk_losses`).
+4. Scores become non-negative costs (one shift per kind) and every unit of the sub-block is scaled by dL / S,
+   S being the probe slice's summed cost, so the slice's calibrated costs add up to its measured loss. Inside a
+   sub-block the order and spacing of the criterion's scores are kept; across sub-blocks the scale is the loss.
+5. The global fractional knapsack runs on the calibrated costs, each sub-block capped at `reach` x its probe
+   (the linear scale a probe gives is not trusted far beyond the size it was measured at).
 """
 
 from __future__ import annotations
