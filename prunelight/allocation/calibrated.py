@@ -26,6 +26,7 @@ The calibrated allocation keeps the criterion's scores as they are and only resc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -255,7 +256,9 @@ def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: 
     cal = calibrated_scores(scores, probes)
     lim_full = {k: budget.limits(k) for k in KINDS}
     while True:
-        lim = {k: [min(lim_full[k][i], int(round(reach * len(probes.slices[k][i])))) for i in range(budget.num_layers)]
+        # floor: never past reach x the probe (a 1-unit probe with reach 1.5 allows 1 unit, not 2)
+        lim = {k: [min(lim_full[k][i], int(math.floor(reach * len(probes.slices[k][i]) + 1e-9)))
+                   for i in range(budget.num_layers)]
                for k in KINDS}
         if sum(sum(lim[k]) * budget.cost(k) for k in KINDS) >= budget.target:
             break
