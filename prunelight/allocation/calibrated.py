@@ -246,7 +246,7 @@ def calibrated_scores(scores: UnitScores, probes: Probes) -> UnitScores:
     return out
 
 
-def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: float = 2.0) -> Removed:
+def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: float = 1.5) -> Removed:
     """Global knapsack on calibrated scores, each sub-block removing at most `reach` x its probe slice.
 
     A probe measures the loss at one removal size; the linear scale it gives is trusted up to `reach` times
