@@ -120,3 +120,21 @@ def test_a_probe_that_lowers_the_loss_does_not_erase_the_order():
 def test_bad_calibrated_settings_fail_when_constructed(kwargs, match):
     with pytest.raises(SettingsError, match=match):
         PruneSettings(**kwargs)
+
+
+def test_prune_only_run_with_calibrated_allocation(tmp_path, monkeypatch):
+    """`prunelight fit` with allocation calibrated: the plan records its probes and meets the ratio."""
+    import json
+
+    from prunelight.cli import cli_main
+    from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, write_tiny_corpus
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    cli_main(tiny_fit_args(ckpt, files, "--model.recovery=none", "--prune.allocation=calibrated",
+                           "--prune.ratio=0.3", "--trainer.enable_progress_bar=false", "--export.out_dir=runs/c"))
+    report = json.loads((tmp_path / "runs" / "c" / "report.json").read_text())
+    assert report["plan"]["removed_fraction_total"] == pytest.approx(0.3, abs=0.02)
+    plan_meta = json.dumps(report)
+    assert '"allocation": "calibrated"' in plan_meta and '"probes"' in plan_meta
