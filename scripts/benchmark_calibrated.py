@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the comparison and print one JSON line per (criterion, ratio, allocation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prunelight.allocation import allocate, precheck
+    from prunelight.allocation import allocate, allocation_of, precheck
     from prunelight.allocation.calibrated import measure_probes
     from prunelight.calibration import run_calibration
     from prunelight.data import TextSource, pack_blocks, sample_windows, tokenize_source, window_prefix
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                                          reconstruct=args.reconstruct)
                 budget = precheck(model, settings)
                 probes = None
-                if allocation == "calibrated":
+                if allocation_of(allocation).probes:  # the row asks for probe removals
                     probes = measure_probes(model, [torch.cat(calib)[: args.probe_samples]], scores, budget)
                 plan = allocate(budget, scores, settings, probes=probes)
                 pruned = copy.deepcopy(model)
