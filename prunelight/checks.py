@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prunelight.allocation import Shape, check_shape, precheck
+from prunelight.allocation import Shape, allocation_of, check_shape, precheck
 from prunelight.allocation.shapes import SHAPES
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
@@ -98,6 +98,9 @@ def _check_facts(s: PruneSettings, run: RunFacts) -> None:
         if not (s.plan or s.scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
             raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
                              "(token ids) or use a weight-only criterion such as magnitude")
+        if not s.plan and allocation_of(s.allocation).probes:
+            raise ValueError(f"prune.allocation={s.allocation!r} measures probe removals on calibration text; pass "
+                             "calibration= (token ids) or use allocation global")
 
 
 def _check_widths(settings: PruneSettings, config) -> None:

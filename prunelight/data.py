@@ -31,6 +31,12 @@ STREAM_PROTOCOLS: dict[str, tuple[str, bool]] = {
 }
 StreamProtocol = Literal["lines", "paper", "paper_c4"]
 
+# Whether every calibration / training / evaluation window starts with BOS. auto: where the tokenizer adds BOS to
+# a text by default (its `add_bos_token`: Llama-3, Gemma), i.e. where the family expects every input to start with
+# it; models trained without one (SmolLM2, Qwen2, the reference models) see plain windows.
+BOS_PER_WINDOW = ("auto", "always", "never")
+BosPerWindow = Literal["auto", "always", "never"]
+
 
 @dataclass
 class TextSource:
@@ -107,6 +113,22 @@ def _special_tokens(tokenizer) -> tuple[list[int], list[int]]:
         if full[i : i + len(plain)] == plain:
             return full[:i], full[i + len(plain):]
     return [], []
+
+
+def window_prefix(tokenizer, bos_per_window: str = "auto") -> list[int]:
+    """The ids every window starts with: the tokenizer's default BOS (auto), its BOS token (always), or none."""
+    if bos_per_window not in BOS_PER_WINDOW:
+        raise ValueError(f"data.bos_per_window={bos_per_window!r} is not allowed: "
+                         f"use one of {', '.join(BOS_PER_WINDOW)}")
+    if bos_per_window == "never":
+        return []
+    if bos_per_window == "always":
+        if tokenizer.bos_token_id is None:
+            raise ValueError("data.bos_per_window='always' is not allowed: the tokenizer has no BOS token")
+        return [int(tokenizer.bos_token_id)]
+    before, _ = _special_tokens(tokenizer)
+    bos = tokenizer.bos_token_id
+    return [int(bos)] if bos is not None and int(bos) in before else []
 
 
 def tokenize_source(tokenizer, source: TextSource, chunk_lines: int = 2000) -> torch.Tensor:
@@ -207,19 +229,33 @@ class ResumableLoader(DataLoader):
         self._resume = dict(state)
 
 
-def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping [n, seq_len] blocks; the tail shorter than seq_len is dropped."""
-    n = ids.numel() // seq_len
-    return ids[: n * seq_len].view(n, seq_len)
+def _with_prefix(blocks: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    if not prefix:
+        return blocks
+    head = torch.tensor(prefix, dtype=blocks.dtype).expand(blocks.shape[0], len(prefix))
+    return torch.cat([head, blocks], dim=1)
 
 
-def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """`num_samples` random windows of `seq_len` tokens, reproducible under `seed`."""
+def pack_blocks(ids: torch.Tensor, seq_len: int, prefix: list[int] | None = None) -> torch.Tensor:
+    """Non-overlapping [n, seq_len] blocks, each starting with `prefix` (e.g. BOS); a short tail is dropped."""
+    prefix = list(prefix or [])
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"a window of {seq_len} tokens has no room for text after its {len(prefix)} prefix token(s)")
+    n = ids.numel() // body
+    return _with_prefix(ids[: n * body].view(n, body), prefix)
+
+
+def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int,
+                   prefix: list[int] | None = None) -> torch.Tensor:
+    """`num_samples` random windows of `seq_len` tokens (each starting with `prefix`), reproducible under `seed`."""
     if ids.numel() < seq_len + 1:
         raise ValueError(f"the calibration text has {ids.numel()} tokens, fewer than data.seq_len={seq_len} + 1")
+    prefix = list(prefix or [])
+    body = seq_len - len(prefix)
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
-    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+    return _with_prefix(torch.stack([ids[s : s + body] for s in starts.tolist()]), prefix)
 
 
 class PruneDataModule(L.LightningDataModule):
@@ -241,8 +277,14 @@ class PruneDataModule(L.LightningDataModule):
         seed: int = 0,
         allow_overlap: bool = False,
         num_workers: int = 0,
+        bos_per_window: BosPerWindow = "auto",
     ) -> None:
         super().__init__()
+        if bos_per_window not in BOS_PER_WINDOW:
+            raise ValueError(f"data.bos_per_window={bos_per_window!r} is not allowed: use one of "
+                             f"{', '.join(BOS_PER_WINDOW)}")
+        self.bos_per_window = bos_per_window
+        self.prefix: list[int] = []  # the ids every window starts with, known once the tokenizer is loaded
         if num_samples <= 0:
             raise ValueError(f"data.num_samples={num_samples} is not allowed: must be an integer >= 1")
         if seq_len <= 1:
@@ -331,18 +373,23 @@ class PruneDataModule(L.LightningDataModule):
             return
         tok = self._load_tokenizer()
         self._check_overlap()
+        self.prefix = window_prefix(tok, self.bos_per_window)
         calib_ids = tokenize_source(tok, self.calibration)
         if calib_ids.numel() <= self.seq_len:
             raise ValueError(f"data.calibration ({self.calibration.describe()}) has {calib_ids.numel()} tokens, "
                              f"fewer than data.seq_len={self.seq_len} + 1; give more text or a shorter seq_len")
-        self.calib_blocks = sample_windows(calib_ids, self.num_samples, self.seq_len, self.seed)
-        self.eval_blocks = pack_blocks(tokenize_source(tok, self.eval), self.eval_seq_len)
+        self.calib_blocks = sample_windows(calib_ids, self.num_samples, self.seq_len, self.seed, self.prefix)
+        self.eval_blocks = pack_blocks(tokenize_source(tok, self.eval), self.eval_seq_len, self.prefix)
         if self.max_eval_blocks:
             self.eval_blocks = self.eval_blocks[: self.max_eval_blocks]
         if len(self.eval_blocks) == 0:
             raise ValueError(f"evaluation text {self.eval.describe()} is shorter than eval_seq_len={self.eval_seq_len}")
         train_ids = tokenize_source(tok, self.train) if self.train else calib_ids
-        self.train_blocks = pack_blocks(train_ids, self.seq_len)
+        self.train_blocks = pack_blocks(train_ids, self.seq_len, self.prefix)
+
+    def window_protocol(self) -> dict:
+        """How windows were made, for the report: BOS per window or not, and the token each starts with."""
+        return {"bos_per_window": self.bos_per_window, "window_prefix": list(self.prefix)}
 
     # --- loaders ----------------------------------------------------------------------------
     def calibration_batches(self, rank: int = 0, world_size: int = 1) -> list[torch.Tensor]:

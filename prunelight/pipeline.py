@@ -16,6 +16,7 @@ from torch import nn
 from prunelight import zero3
 from prunelight.allocation import Budget, Shape, allocate, allocation_of, make_budget, precheck
 from prunelight.allocation.budget import plan_meta, plan_params_removed
+from prunelight.allocation.calibrated import Probes, measure_probes
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
 from prunelight.console import progress
@@ -76,8 +77,11 @@ def make_plan(
         groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+    probes = None
+    if row.probes:  # measured scores handed in (a benchmark's measured_scores) still leave the batches to probe on
+        probes = _probes(model, budget, scores, imp_batches or _importance_batches(batches, settings), reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept)
+                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, probes=probes)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -131,8 +135,7 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
     else:
         scores = run_calibration(model, batches if crit.needs_data else [], crit, reduce_sum,
                                  settings.max_calibration_batches)
-    n_imp = settings.importance_batches or settings.max_calibration_batches
-    imp_batches = batches[:n_imp]
+    imp_batches = _importance_batches(batches, settings)
 
     # Report-only measures need calibration text (none for a weight-only plan made without batches).
     wanted = [] if sharded or not imp_batches else list(settings.report_layer_importance)
@@ -147,11 +150,30 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
     return scores, measured, block_scores, crit.num_samples, imp_batches
 
 
+def _importance_batches(batches: list[torch.Tensor], settings: PruneSettings) -> list[torch.Tensor]:
+    """The calibration batches the layer, sub-block and probe measures run on (prune.importance_batches)."""
+    return batches[:settings.importance_batches or settings.max_calibration_batches]
+
+
+def _probes(model: nn.Module, budget: Budget, scores: UnitScores, batches: list[torch.Tensor],
+            reduce_sum: ReduceSum | None) -> Probes:
+    """The calibrated allocation's probe removals, averaged over ranks so every rank builds the same plan."""
+    if not batches:
+        raise ValueError("allocation 'calibrated' needs calibration batches to measure its probe removals")
+    probes = measure_probes(model, batches, scores, budget)
+    if reduce_sum is not None:
+        for kind, values in probes.loss.items():
+            mean = mean_over_ranks([0.0 if v is None else v for v in values], reduce_sum)
+            probes.loss[kind] = [None if v is None else m for v, m in zip(values, mean)]
+    return probes
+
+
 def _refuse_on_partitioned(settings: PruneSettings) -> None:
     """Options that run extra forward passes on masked (written-to) weights cannot run on ZeRO-3 partitions."""
+    row = allocation_of(settings.allocation)
     unsupported = [
         name for name, bad in (
-            (f"prune.allocation={settings.allocation}", allocation_of(settings.allocation).layer_importance),
+            (f"prune.allocation={settings.allocation}", row.layer_importance or row.probes),
             ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
             ("prune.block_importance=removal", settings.block_importance == "removal"),
         ) if bad

@@ -126,7 +126,8 @@ class PruneSettings:
     criterion_args: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of the criterion (e.g. {p: 1} for magnitude, {seed: 1} for random)."""
     allocation: AllocationName = "global"
-    """How the budget is spread over layers: global, uniform, layerwise, blockwise or depth (docs/methods.md)."""
+    """How the budget is spread over layers: global, uniform, layerwise, blockwise, depth or calibrated (scores
+    rescaled per sub-block by the measured calibration loss of a probe removal; docs/methods.md)."""
     attn_mlp_split: str | None = None
     """Share of the budget taken from attention vs MLP, "x:y" (e.g. "1:3"), "auto" (searched), or null (free)."""
     prune_step: int = 0
@@ -154,6 +155,10 @@ class PruneSettings:
     report_layer_importance: list[LayerImportanceName] = field(
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
+    calibrated_reach: float = 1.5
+    """calibrated: a sub-block loses at most floor(reach x its probe slice) units (the linear loss scale a probe
+    gives is trusted that far; 1.5 lets a one-group probe never vouch for a second group); raised by whole steps
+    when the caps cannot meet the budget."""
     reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
     contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns).
@@ -205,6 +210,11 @@ class PruneSettings:
         _integer("prune.importance_batches", self.importance_batches, 1, optional=True)
         _choice("prune.layer_importance", self.layer_importance, LAYER_IMPORTANCE)
         _choice("prune.block_importance", self.block_importance, BLOCK_IMPORTANCE)
+        _number("prune.calibrated_reach", self.calibrated_reach, 1.0, math.inf, False, True)
+        self.calibrated_reach = float(self.calibrated_reach)
+        if row.probes and self.scores is not None:
+            raise _bad("prune.allocation", self.allocation, "with prune.scores there is no calibration pass to "
+                       "measure its probe removals on; use allocation global, or score again")
         if isinstance(self.layerwise, dict):
             self.layerwise = LayerRates(**self.layerwise)
         if isinstance(self.split_search, dict):

@@ -76,5 +76,5 @@ def test_toy_allocation_checks_come_from_its_row(toy):
 
 def test_unregistered_allocation_is_refused_in_one_line():
     with pytest.raises(SettingsError, match=r"^prune.allocation='mlp_only' is not allowed: use one of global, "
-                                            r"uniform, layerwise, blockwise, depth$"):
+                                            r"uniform, layerwise, blockwise, depth, calibrated$"):
         PruneSettings(allocation="mlp_only")

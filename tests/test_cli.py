@@ -43,9 +43,10 @@ def test_help_lists_the_prune_section_with_allowed_values(capsys):
     out = capsys.readouterr().out
     assert "--prune.ratio" in out
     from prunelight.importance import CRITERIA
+    from prunelight.settings import ALLOCATIONS
 
     assert "--prune.criterion {" + ",".join(CRITERIA) + "}" in out
-    assert "--prune.allocation {global,uniform,layerwise,blockwise,depth}" in out
+    assert "--prune.allocation {" + ",".join(ALLOCATIONS) + "}" in out
     assert "--prune.attn_mlp_split" in out and "--export.out_dir" in out and "--evaluation.suite" in out
 
 

@@ -6,6 +6,8 @@
 - `layerwise`: per-layer rates from layer importance (see layerwise.py), units chosen inside each layer.
 - `blockwise`: whole attention / MLP sub-blocks by importance per parameter, width pruning for the rest.
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
+- `calibrated`: the global knapsack on scores rescaled per sub-block by the measured calibration-loss increase
+  of a probe removal (calibrated.py), each sub-block capped at `calibrated_reach` x its probe.
 Any of them can split the budget x:y between attention and MLP (global, layerwise) and round kept
 MLP channels to a hardware-friendly multiple.
 
@@ -46,6 +48,7 @@ from prunelight.importance.base import UnitScores
 from prunelight.plan import PrunePlan
 
 if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
+    from prunelight.allocation.calibrated import Probes
     from prunelight.settings import PruneSettings
 
 __all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "Removal", "Shape", "allocate", "allocation_of",
@@ -89,6 +92,7 @@ def allocate(
     shape: Shape = Shape.FREE,
     groups_removed: int | None = None,
     groups_kept: int | None = None,
+    probes: Probes | None = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
@@ -97,6 +101,7 @@ def allocate(
     `shape` is the layer-shape constraint (`Shape.UNIFORM` for export.format: stock); `groups_removed` then
     fixes the groups removed per layer (the calibration search tries each); under `Shape.SERVED`
     (export.format: nemotron_nas) `groups_kept` fixes the groups kept in every layer keeping attention.
+    Allocations with `probes` (calibrated) take the probe removals `calibrated.measure_probes` measured.
     """
     row = allocation_of(settings.allocation)
     rule = SHAPES[shape]
@@ -109,7 +114,10 @@ def allocate(
     check_scores(scores, budget)
     if row.layer_importance and layer_scores is None:
         raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
-    inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed, groups_kept)
+    if row.probes and probes is None:
+        raise ValueError(f"allocation {row.name!r} needs its probe removals measured (probes); make_plan measures them")
+    inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed, groups_kept,
+                           probes)
     removal = rule.finish(inp, row.by_shape[shape](inp))
     plan = build_plan(budget, removal.removed, removal.drop)
     plan.meta = {"allocation": row.name, **removal.extra, **plan_meta(budget, plan)}

@@ -39,6 +39,7 @@ class AllocationInputs:
     attn_share: float | None = None  # the attention share of the budget (fixed split, or the split search's try)
     groups_removed: int | None = None  # Shape.UNIFORM: the groups removed per layer, when the search fixes it
     groups_kept: int | None = None  # Shape.SERVED: the groups kept in every layer keeping attention, when fixed
+    probes: Any = None  # measured probe removals (rows with probes=True: calibrated.Probes)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Removal:
     drop: set[int] = field(default_factory=set)
     extra: dict[str, Any] = field(default_factory=dict)  # plan.meta entries, after "allocation"
     exact: bool = False  # True: the count is final (no true-up to within one MLP channel of the target)
+    scores: UnitScores | None = None  # rescaled scores the finishing step moves units on (None: the inputs' scores)
 
 
 AllocateFn = Callable[[AllocationInputs], Removal]
@@ -74,6 +76,9 @@ class Allocation:
     """Honours an attention:MLP split (`prune.attn_mlp_split`)."""
     kv_target: bool = False
     """Can meet a KV-cache target (`prune.target_kv_cache`: GQA groups only)."""
+    probes: bool = False
+    """Needs probe removals measured on calibration text before the cut (one masked slice per sub-block; the
+    scoring pass must run, so saved `prune.scores` and ZeRO-3 partitions are refused)."""
     drops_layers: bool = False
     """May drop whole layers, so which layers stay is known only after scoring."""
     precheck: Precheck | None = None
@@ -81,4 +86,4 @@ class Allocation:
 
     def needs_data(self, settings: PruneSettings) -> bool:
         """Whether it reads calibration text beyond the criterion's scores (layer or sub-block measures)."""
-        return self.layer_importance or self.block_removal(settings)
+        return self.layer_importance or self.probes or self.block_removal(settings)

@@ -2,8 +2,8 @@
 
 A row names the allocation function per shape constraint it honours (`Shape.FREE`: per-layer widths,
 `Shape.UNIFORM`: one shape for a stock config, `Shape.SERVED`: the Nemotron-NAS layout vLLM serves) and
-states what the allocation needs (layer importance, sub-block removal measures), which options it honours
-(split, KV-cache target) and its cheap pre-check (model sizes only). Everything else reads these facts: the
+states what the allocation needs (layer importance, sub-block removal measures, probe removals), which options
+it honours (split, KV-cache target) and its cheap pre-check (model sizes only). Everything else reads these facts: the
 settings' choices and checks, `check_run`, the scoring pass, saved-scores checks, the benchmarks. To add an
 allocation, write its function in a module of this package and add its row to `ROWS` (or call `register`
 from elsewhere, as tests do).
@@ -12,6 +12,7 @@ from elsewhere, as tests do).
 from __future__ import annotations
 
 from prunelight.allocation.base import Allocation, Shape
+from prunelight.allocation.calibrated import allocate_calibrated
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
@@ -29,6 +30,8 @@ ROWS = (
                block_removal=lambda settings: settings.block_importance == "removal"),
     Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform,
                          Shape.SERVED: allocate_depth_served}, layer_importance=True, drops_layers=True),
+    # FREE only (a stock or served layout leaves no per-sub-block choice to calibrate); no split, no KV target.
+    Allocation("calibrated", {Shape.FREE: allocate_calibrated}, probes=True, precheck=check_removable),
 )
 
 ALLOCATIONS: dict[str, Allocation] = {row.name: row for row in ROWS}

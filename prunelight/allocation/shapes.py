@@ -35,14 +35,15 @@ def _free_sizes(budget: Budget, settings: PruneSettings, shape: Shape) -> None:
 def _finish_free(inp: AllocationInputs, r: Removal) -> Removal:
     """The split target, channel alignment, and the true-up to within one channel (unless the count is final)."""
     s, extra, removed = inp.settings, dict(r.extra), r.removed
+    scores = inp.scores if r.scores is None else r.scores  # an allocation's rescaled scores keep their scale here
     if inp.attn_share is not None:
         extra["attn_share_target"] = inp.attn_share
     if s.align_channels > 1:
-        removed = align_channels(inp.scores, inp.budget, removed, s.align_channels, fixed=r.drop)
+        removed = align_channels(scores, inp.budget, removed, s.align_channels, fixed=r.drop)
         extra["align_channels"] = s.align_channels
     elif not r.exact:
         # Count the sub-blocks' biases and layers' norms the fills did not see; land within one channel.
-        removed = true_up(inp.scores, inp.budget, removed, r.drop)
+        removed = true_up(scores, inp.budget, removed, r.drop)
     return Removal(removed, r.drop, extra, exact=True)
 
 

@@ -91,7 +91,8 @@ class RunEvaluator:
             record.times_s[f"eval_{state}"] = time.perf_counter() - t0
             record.ppl[state] = res["ppl"]
             record.ppl_detail[state] = res
-            record.eval = {"source": dm.eval.describe(), "seq_len": dm.eval_seq_len, "tokens": res["tokens"]}
+            record.eval = {"source": dm.eval.describe(), "seq_len": dm.eval_seq_len, "tokens": res["tokens"],
+                           **(dm.window_protocol() if hasattr(dm, "window_protocol") else {})}
             log_metrics(trainer, {f"ppl/{state}": res["ppl"]})
         ev = self.suite(trainer, pl_module)
         if ev is not None:
@@ -118,7 +119,8 @@ class RunEvaluator:
         dm = trainer.datamodule
         data = None if dm is None else {"source": dm.eval.describe() if dm.eval is not None else None,
                                         "seq_len": dm.eval_seq_len, "batch_size": dm.eval_batch_size,
-                                        "max_eval_blocks": getattr(dm, "max_eval_blocks", None)}
+                                        "max_eval_blocks": getattr(dm, "max_eval_blocks", None),
+                                        "bos_per_window": getattr(dm, "bos_per_window", "auto")}
         suite = self.settings.suite.as_dict() if self.settings.suite is not None else None
         if path.is_file():  # a GGUF file
             files = [[path.name, path.stat().st_size, int(path.stat().st_mtime)]]
