@@ -6,7 +6,7 @@ evaluated on the same blocks. Protocol of issue 21 by default: WikiText-2 valid,
 0) for calibration; the first 60,000 characters of WikiText-2 test in 128-token blocks for the run's own
 perplexity. Probes read `--probe-samples` calibration windows. One JSON line per result on stdout and in --out.
 
-    OMP_NUM_THREADS=1 python scripts/benchmark_calibrated.py --model /work/models/smollm2-f32 \\
+    OMP_NUM_THREADS=1 python scripts/benchmark_calibrated.py --model /path/to/smollm2-f32 \\
         --criteria flap wanda_sp taylor --ratios 0.2 0.3 --out results/benchmarks/calibrated_smollm2.jsonl
 """
 

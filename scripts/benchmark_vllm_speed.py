@@ -8,7 +8,7 @@ runs of a prefill-only request (1 output token) and a decode request (`--decode-
 decode request less its prefill. Medians; speedup vs dense and the ideal (params_dense / params_pruned).
 Run it ALONE on the machine (other processes change the figures); ~15 min on 2 cores:
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/benchmark_vllm_speed.py --dense /work/models/smollm2-f32 --tag cpu
+    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/benchmark_vllm_speed.py --dense /path/to/smollm2-f32 --tag cpu
 
 (OMP_NUM_THREADS applies to the pruning here; the vLLM processes get vLLM's own thread binding.)
 
@@ -95,13 +95,13 @@ def time_folder(folder: Path, args, log: Path) -> dict:
 def main() -> None:
     """Prune, serve and time every variant; write the JSON and markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dense", default="/work/models/smollm2-f32")
+    ap.add_argument("--dense", required=True, help="a float32 Hugging Face folder of the dense model (served as the baseline)")
     ap.add_argument("--ratios", default="0.2,0.3")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON"), required="PRUNELIGHT_VLLM_PYTHON" not in os.environ)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "vllm_speed"))
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=str(ROOT / "results" / "benchmarks"))

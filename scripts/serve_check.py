@@ -6,11 +6,11 @@ the same folder; the continuations must be equal token for token, and the larges
 tokens' log-probabilities is printed. Writes a JSON summary.
 
     # tiny models built from configs (stock, nemotron_nas, nemotron_nas with removed sub-blocks), ~4 min:
-    python scripts/serve_check.py --tiny --vllm-python /work/vllm-venv/bin/python
+    python scripts/serve_check.py --tiny --vllm-python ~/vllm-venv/bin/python
     # SmolLM2 (a float32 HF folder), pruned 20% to stock and nemotron_nas (magnitude, no calibration), ~6 min:
-    python scripts/serve_check.py --prune /work/models/smollm2-f32 --vllm-python /work/vllm-venv/bin/python
+    python scripts/serve_check.py --prune /path/to/smollm2-f32 --vllm-python ~/vllm-venv/bin/python
     # folders a run wrote:
-    python scripts/serve_check.py --folder runs/x/model --vllm-python /work/vllm-venv/bin/python
+    python scripts/serve_check.py --folder runs/x/model --vllm-python ~/vllm-venv/bin/python
 
 Exit status 1 when any folder's continuations differ (or vLLM fails to serve it).
 """
@@ -172,7 +172,7 @@ def pruned_folders(source: str, out: Path, ratio: float) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """Run the check on the folders asked for; write the summary JSON; non-zero exit if any differ."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON"), required="PRUNELIGHT_VLLM_PYTHON" not in os.environ)
     ap.add_argument("--tiny", action="store_true", help="build, prune and export tiny Llama models")
     ap.add_argument("--prune", action="append", default=[], help="a float32 HF folder to prune (stock, nemotron_nas)")
     ap.add_argument("--ratio", type=float, default=0.2)
