@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from prunelight.allocation.budget import Budget, Removed
 from prunelight.importance.base import UnitScores
 
@@ -87,3 +89,17 @@ class Allocation:
     def needs_data(self, settings: PruneSettings) -> bool:
         """Whether it reads calibration text beyond the criterion's scores (layer or sub-block measures)."""
         return self.layer_importance or self.probes or self.block_removal(settings)
+
+
+def zero_scores(budget: Budget) -> UnitScores:
+    """All-zero scores of the model's units: shape pre-checks search candidates from model sizes alone."""
+    return {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
+
+
+def constrained_removal(inp: AllocationInputs, removed: Removed, drop: set[int], extra: dict) -> Removal:
+    """A shape-constrained search's exact removal, its meta noting the split target and channel alignment asked."""
+    if inp.attn_share is not None:
+        extra["attn_share_target"] = inp.attn_share
+    if inp.settings.align_channels > 1:
+        extra["align_channels"] = inp.settings.align_channels
+    return Removal(removed, set(drop), extra, exact=True)

@@ -22,10 +22,8 @@ its `ShapeRule` (allocation/shapes.py) runs `check_served_settings`, `check_serv
 
 from __future__ import annotations
 
-import torch
-
 from prunelight.allocation.align import align_channels
-from prunelight.allocation.base import AllocationInputs, Removal
+from prunelight.allocation.base import AllocationInputs, Removal, constrained_removal, zero_scores
 from prunelight.allocation.budget import (
     Budget,
     Removed,
@@ -70,20 +68,14 @@ def check_served_config(config) -> None:
 
 def check_served_sizes(budget: Budget, settings, shape) -> None:
     """Some served layout must meet the budget (model sizes only; zero scores stand in for the real ones)."""
-    zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
-    candidates(zeros, budget, settings.align_channels)
+    candidates(zero_scores(budget), budget, settings.align_channels)
 
 
 def allocate_served(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
     """`Shape.SERVED` for global and uniform: the served-layout search over the layers not in `drop`."""
-    s = inp.settings
-    removed, report = served_width(inp.scores, inp.budget, s.align_channels, drop, inp.attn_share, inp.groups_kept)
-    extra = {"served_layout": True, "served_shapes": report}
-    if inp.attn_share is not None:
-        extra["attn_share_target"] = inp.attn_share
-    if s.align_channels > 1:
-        extra["align_channels"] = s.align_channels
-    return Removal(removed, set(drop), extra, exact=True)
+    removed, report = served_width(inp.scores, inp.budget, inp.settings.align_channels, drop, inp.attn_share,
+                                   inp.groups_kept)
+    return constrained_removal(inp, removed, drop, {"served_layout": True, "served_shapes": report})
 
 
 def allocate_depth_served(inp: AllocationInputs) -> Removal:

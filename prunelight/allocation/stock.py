@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import math
 
-import torch
 
-from prunelight.allocation.base import AllocationInputs, Removal, Shape
+from prunelight.allocation.base import AllocationInputs, Removal, Shape, constrained_removal, zero_scores
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest, plan_params_removed
 from prunelight.importance.base import UnitScores
 
@@ -42,20 +41,14 @@ def check_uniform_settings(settings) -> None:
 
 def check_uniform_sizes(budget: Budget, settings, shape: Shape) -> None:
     """Some uniform shape must meet the budget (model sizes only; zero scores stand in for the real ones)."""
-    zeros = {k: [torch.zeros(n) for n in budget.sizes(k)] for k in ("attn", "mlp")}
-    candidates(zeros, budget, settings.align_channels)
+    candidates(zero_scores(budget), budget, settings.align_channels)
 
 
 def allocate_uniform_shape(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
     """The uniform-shape removal of the layers not in `drop`, chosen by the split setting (or `groups_removed`)."""
-    s = inp.settings
-    removed, report = stock_width(inp.scores, inp.budget, s.align_channels, drop, inp.attn_share, inp.groups_removed)
-    extra = {"uniform_shape": True, "stock_shapes": report}
-    if inp.attn_share is not None:
-        extra["attn_share_target"] = inp.attn_share
-    if s.align_channels > 1:
-        extra["align_channels"] = s.align_channels
-    return Removal(removed, set(drop), extra, exact=True)
+    removed, report = stock_width(inp.scores, inp.budget, inp.settings.align_channels, drop, inp.attn_share,
+                                  inp.groups_removed)
+    return constrained_removal(inp, removed, drop, {"uniform_shape": True, "stock_shapes": report})
 
 
 def _uniform(budget: Budget, live: list[int]) -> tuple[int, int]:
