@@ -1,11 +1,16 @@
-"""Distillation vs plain next-token (CE) recovery on the reference job, at equal steps and data.
+"""Distillation vs plain next-token (CE) recovery, at equal steps and data, on the reference job or SmolLM2.
 
-Runs `configs/reference.yaml` (20% FLAP cut with least-squares refit, LoRA recovery on Brown prose) once per
-recovery loss with `--steps` steps (and once with recovery none, for the pruned row), then measures the dense, the
-pruned and each recovered model the same way with `prunelight evaluate`: perplexity on WikiText-2 and PTB test at 128
-and 512 tokens, on the first `--windows` windows of each (null: the whole sets). One thread per process:
+`--job reference` runs `configs/reference.yaml` (20% FLAP cut with least-squares refit, LoRA recovery on Brown
+prose) once per recovery loss with `--steps` steps (and once with recovery none, for the pruned row), then measures
+the dense, the pruned and each recovered model the same way with `prunelight evaluate`: perplexity on WikiText-2 and
+PTB test at 128 and 512 tokens, on the first `--windows` windows of each (null: the whole sets).
+`--job smollm2` does the same with `configs/smollm2.yaml` (the real model from ../shared, its default cut) at
+256-token training windows, perplexity at 512 tokens, and zero-shot accuracy on the seven local sets
+(`--zeroshot-limit` rows each). One thread per process:
 
     OMP_NUM_THREADS=1 python scripts/distillation_table.py --out /tmp/distill-runs --steps 200 --windows null
+    OMP_NUM_THREADS=1 python scripts/distillation_table.py --job smollm2 --out /tmp/distill-smollm2 --steps 200 \
+        --windows 32 --zeroshot-limit 100
     python scripts/distillation_table.py --out /tmp/distill-runs --table-only
 """
 
@@ -17,6 +22,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,22 +32,43 @@ SETTINGS = {  # name -> command-line options of the recovery
     "kl_a0.5_T2": ["--model.distillation.alpha=0.5", "--model.distillation.temperature=2.0"],
     "kl_a1.0_T1": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0"],
 }
-DENSE = ROOT.parent / "shared" / "models" / "ref-llama-gqa"
+SHARED = Path(os.environ.get("PRUNELIGHT_SHARED", ROOT.parent / "shared"))
 SUITE = """evaluation:
   ppl_datasets:
     wikitext2: {{path: {shared}/data/wikitext2/test.txt}}
     ptb: {{path: {shared}/data/ptb/test.txt}}
-  seq_lens: [128, 512]
-  ppl_batch_size: 16
+  seq_lens: {seq_lens}
+  ppl_batch_size: 4
   max_windows: {windows}
-  zeroshot: false
+  zeroshot: {zeroshot}
+  zeroshot_data_dir: {shared}/data/zeroshot
+  limit: {limit}
+  zeroshot_batch_size: 8
   efficiency: false
 """
 
 
-def fit(name: str, out: Path, steps: int) -> int:
-    """One reference run with recovery `name` (no evaluation inside the run)."""
-    cmd = [sys.executable, "-m", "prunelight", "fit", "--config", str(ROOT / "configs" / "reference.yaml"),
+@dataclass(frozen=True)
+class Job:
+    """One subject: its run config, the dense model `prunelight evaluate` measures, and what to measure."""
+
+    config: str
+    dense: Path
+    options: list[str] = field(default_factory=list)
+    seq_lens: str = "[128, 512]"
+    zeroshot: bool = False
+
+
+JOBS = {
+    "reference": Job("reference.yaml", SHARED / "models" / "ref-llama-gqa"),
+    "smollm2": Job("smollm2.yaml", SHARED / "models" / "smollm2-135m-instruct-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                   ["--data.seq_len=256"], "[512]", True),
+}
+
+
+def fit(job: Job, name: str, out: Path, steps: int) -> int:
+    """One run of `job` with recovery `name` (no evaluation inside the run)."""
+    cmd = [sys.executable, "-m", "prunelight", "fit", "--config", str(ROOT / "configs" / job.config), *job.options,
            *SETTINGS[name], f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
            "--evaluation.data_eval=false", f"--export.out_dir={out / name}", "--trainer.enable_progress_bar=false"]
     with open(out / f"{name}.log", "w") as log:
@@ -56,15 +83,27 @@ def evaluate(name: str, folder: Path, out: Path) -> int:
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
+def _zeroshot_cells(res: dict) -> list[str]:
+    """Accuracy (with its standard error) per task and the average, as table cells."""
+    zs = res.get("zeroshot") or {}
+    tasks = zs.get("tasks") or {}
+    cells = [f"{100 * t['acc']:.1f} ± {100 * (t.get('acc_stderr') or 0):.1f}" for t in tasks.values()]
+    avg = zs.get("average") or {}
+    return [*cells, f"**{100 * avg['acc']:.1f}** ± {100 * (avg.get('acc_stderr') or 0):.1f}"] if avg else cells
+
+
 def table(out: Path) -> str:
-    """The markdown table of perplexities per model (dense, pruned, then one row per recovery loss)."""
-    rows, header = [], None
+    """The markdown table of perplexities (and zero-shot) per model (dense, pruned, then one row per recovery loss)."""
+    rows, header, zs_header = [], None, []
     for name in ["dense", *SETTINGS]:
         path = out / f"eval_{name}" / "report.json"
         if not path.exists():
             continue
-        res = json.loads(path.read_text())["evaluation"][name]["perplexity"]
+        full = json.loads(path.read_text())["evaluation"][name]
+        res = full["perplexity"]
         header = header or [(r["dataset"], r["seq_len"]) for r in res]
+        zs_header = zs_header or ([*((full.get("zeroshot") or {}).get("tasks") or {}), "zero-shot avg"]
+                                  if full.get("zeroshot") else [])
         loss = ""
         run = out / name / "report.json"
         if name not in ("dense", "pruned") and run.exists():
@@ -73,26 +112,35 @@ def table(out: Path) -> str:
             loss = (f"{rec['steps']} LoRA steps, next-token CE" if not d else
                     f"{rec['steps']} LoRA steps, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "
                     f"{1 - d['alpha']:.2g} x CE")
-        rows.append(f"| {name} | {loss} | " + " | ".join(f"{r['ppl']:.2f}" for r in res) + " |")
-    head = "| model | recovery | " + " | ".join(f"{d} @{n}" for d, n in header) + " |"
-    return "\n".join([head, "|---|---|" + "---:|" * len(header), *rows]) + "\n"
+        cells = [f"{r['ppl']:.2f}" for r in res] + _zeroshot_cells(full)
+        rows.append(f"| {name} | {loss} | " + " | ".join(cells) + " |")
+    cols = [f"{d} @{n}" for d, n in header or []] + zs_header
+    head = "| model | recovery | " + " | ".join(cols) + " |"
+    return "\n".join([head, "|---|---|" + "---:|" * len(cols), *rows]) + "\n"
 
 
 def main() -> None:
     """Run the fits (in parallel, one thread each), evaluate every model, and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", choices=sorted(JOBS), default="reference")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--windows", default="null", help="windows per dataset and length (null: all)")
+    ap.add_argument("--zeroshot-limit", default="null", help="rows per zero-shot set (null: all; smollm2 job only)")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
+    job = JOBS[args.job]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
+        if not job.dense.exists():
+            sys.exit(f"the dense model {job.dense} is absent: set PRUNELIGHT_SHARED to the shared data folder")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        (args.out / "suite.yaml").write_text(SUITE.format(shared=DENSE.parent.parent, windows=args.windows))
+        (args.out / "suite.yaml").write_text(SUITE.format(
+            shared=SHARED, windows=args.windows, seq_lens=job.seq_lens, zeroshot=str(job.zeroshot).lower(),
+            limit=args.zeroshot_limit))
         with ThreadPoolExecutor(len(SETTINGS) + 1) as pool:
-            dense = pool.submit(evaluate, "dense", DENSE, args.out)
-            codes = dict(zip(SETTINGS, pool.map(lambda n: fit(n, args.out, args.steps), SETTINGS)))
+            dense = pool.submit(evaluate, "dense", job.dense, args.out)
+            codes = dict(zip(SETTINGS, pool.map(lambda n: fit(job, n, args.out, args.steps), SETTINGS)))
             print("fit exit codes:", codes, flush=True)
             codes = dict(zip(SETTINGS, pool.map(lambda n: evaluate(n, args.out / n / "model", args.out), SETTINGS)))
             print("evaluate exit codes:", codes, "dense:", dense.result(), flush=True)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
 
-from prunelight.evaluation.zeroshot import TASKS, evaluate_zeroshot, local_task_config
+from prunelight.evaluation.zeroshot import TASKS, acc_stderr, evaluate_zeroshot, local_task_config, mean_stderr
 from prunelight.testing import tiny_model, tiny_tokenizer
 
 ARC_ROWS = [
@@ -60,6 +61,17 @@ def test_local_arc_task_matches_hand_computation(tmp_path, tiny_lm):
     assert row["samples"] == len(ARC_ROWS) and row["version"] == 1.0
     assert res["lm_eval_version"] and res["mode"] == "local"
     assert res["average"]["acc"] == row["acc"]
+    # Binomial standard error of the hand-computed accuracy (lm-eval's mean_stderr of the 0/1 scores).
+    p, n = sum(hand_acc) / len(hand_acc), len(hand_acc)
+    assert row["acc_stderr"] == pytest.approx(statistics.stdev(hand_acc) / n**0.5)
+    assert row["acc_stderr"] == pytest.approx((p * (1 - p) / (n - 1)) ** 0.5)
+    assert res["average"]["acc_stderr"] == pytest.approx(row["acc_stderr"])
+
+
+def test_average_stderr_combines_independent_tasks():
+    assert mean_stderr([0.03, 0.04]) == pytest.approx(0.05 / 2)
+    assert mean_stderr([0.03, None]) is None
+    assert acc_stderr(0.5, 1) is None and acc_stderr(0.5, 101) == pytest.approx(0.05)
 
 
 def test_winogrande_scores_shared_continuation_under_each_context(tmp_path, tiny_lm):

@@ -9,6 +9,7 @@ same lm-eval machinery: `dataset_path: json` with `data_files`, loglikelihood of
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -156,6 +157,7 @@ def summarize(out: dict, tasks: list[str], data_dir, limit, log_samples: bool) -
             row["acc_norm"] = res["acc_norm,none"]
         n = out.get("n-samples", {}).get(name, {})
         row["samples"] = n.get("effective", n.get("original"))
+        row["acc_stderr"] = acc_stderr(row["acc"], row["samples"])
         row["lm_eval_task"] = name
         row["version"] = out.get("versions", {}).get(name)
         if data_dir is not None:
@@ -171,5 +173,23 @@ def summarize(out: dict, tasks: list[str], data_dir, limit, log_samples: bool) -
         "data_dir": str(data_dir) if data_dir is not None else None,
         "limit": limit,
         "tasks": per_task,
-        "average": {"acc": sum(accs) / len(accs), "acc_norm_else_acc": sum(mixed) / len(mixed)},
+        "average": {"acc": sum(accs) / len(accs), "acc_norm_else_acc": sum(mixed) / len(mixed),
+                    "acc_stderr": mean_stderr([r["acc_stderr"] for r in per_task.values()])},
     }
+
+
+def acc_stderr(acc: float | None, n: int | None) -> float | None:
+    """Standard error of an accuracy over n rows, sqrt(p(1-p)/(n-1)): lm-eval's `mean_stderr` of 0/1 scores.
+
+    Computed here because the run asks lm-eval for no bootstrap (bootstrap_iters=0), which also drops its stderr.
+    """
+    if acc is None or not n or n < 2:
+        return None
+    return math.sqrt(acc * (1.0 - acc) / (n - 1))
+
+
+def mean_stderr(errors: list[float | None]) -> float | None:
+    """Standard error of the unweighted mean of independent task accuracies (None if any is unknown)."""
+    if not errors or any(e is None for e in errors):
+        return None
+    return math.sqrt(sum(e * e for e in errors)) / len(errors)
