@@ -140,6 +140,62 @@ def test_two_worker_processes_share_one_journal_study(tmp_path, mode):
     assert (tmp_path / "study.journal").exists()
 
 
+ONE_POINT = {"prune.allocation": ["global"], "prune.ratio": [0.2]}
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_of_two_running_duplicates_of_a_grid_point_the_older_runs_and_the_newer_defers(tmp_path, older_first):
+    """Two workers drew the same point (GridSampler re-hands a running point once none is left unstarted): each
+    sees the other running; only the newer defers, so the point ends up covered by a complete trial."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from prunelight.sweep.driver import next_step
+    from prunelight.sweep.space import suggest
+
+    s = settings(tmp_path, space=dict(ONE_POINT))
+    # a one-point space: any sampler draws that point (GridSampler's stop() works only inside optimize)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction=s.objective.direction)
+    older, newer = study.ask(), study.ask()
+    assert suggest(older, s.space) == suggest(newer, s.space)  # both running, the same point
+    worker = Worker(s, {}, fake_runner)
+    outcome = {}
+    for trial in ((older, newer) if older_first else (newer, older)):
+        try:
+            outcome[trial.number] = worker.objective(trial)
+        except optuna.TrialPruned:
+            outcome[trial.number] = "deferred"
+    assert outcome[newer.number] == "deferred" and outcome[older.number] != "deferred"
+    assert newer.user_attrs["duplicate_of"] == older.number and len(calls(tmp_path)) == 1
+    study.tell(newer, state=TrialState.PRUNED)
+    study.tell(older, outcome[older.number])
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert next_step(study, s) == "done"
+
+
+def test_a_pruned_duplicate_does_not_cover_its_grid_point(tmp_path):
+    """A point whose only trial was pruned as a duplicate (as two running duplicates used to leave it) is run."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from prunelight.sweep.driver import next_step
+    from prunelight.sweep.space import encode
+    from prunelight.sweep.store import open_study
+
+    s = settings(tmp_path, space=dict(ONE_POINT))
+    study = open_study(s)
+    study.sampler = optuna.samplers.RandomSampler(seed=0)  # GridSampler's stop() works only inside optimize
+    pruned = study.ask()
+    for key, values in ONE_POINT.items():
+        pruned.suggest_categorical(key, [encode(v) for v in values])
+    pruned.set_user_attr("duplicate_of", 1)
+    study.tell(pruned, state=TrialState.PRUNED)
+    assert next_step(study, s) == "run"
+    results = run_sweep(s, {}, fake_runner)
+    assert states(results) == ["PRUNED", "COMPLETE"] and len(calls(tmp_path)) == 1
+    assert next_step(open_study(s), s) == "done"
+
+
 def test_the_score_cache_key_ignores_ratio_and_allocation_but_not_data_or_seq_len(tmp_path):
     config = {"seed_everything": 0,
               "model": {"pretrained": str(tmp_path / "m"), "dtype": "float32", "attn_implementation": "sdpa"},
