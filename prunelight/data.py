@@ -258,6 +258,11 @@ def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int,
     return _with_prefix(torch.stack([ids[s : s + body] for s in starts.tolist()]), prefix)
 
 
+def effective_calibration_batch_size(calibration_batch_size: int | None, batch_size: int) -> int:
+    """The calibration batch size a run scores with: data.calibration_batch_size, or data.batch_size when null."""
+    return calibration_batch_size or batch_size
+
+
 class PruneDataModule(L.LightningDataModule):
     """Calibration, recovery-training and evaluation data for one prune-and-recover run."""
 
@@ -295,7 +300,7 @@ class PruneDataModule(L.LightningDataModule):
         self.num_samples, self.seq_len = num_samples, seq_len
         self.eval_seq_len = eval_seq_len or seq_len
         self.batch_size = batch_size
-        self.calibration_batch_size = calibration_batch_size or batch_size
+        self.calibration_batch_size = effective_calibration_batch_size(calibration_batch_size, batch_size)
         self.eval_batch_size = eval_batch_size or batch_size
         self.max_eval_blocks = max_eval_blocks
         self.seed, self.allow_overlap, self.num_workers = seed, allow_overlap, num_workers

@@ -138,9 +138,7 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
     imp_batches = _importance_batches(batches, settings)
 
     # Report-only measures need calibration text (none for a weight-only plan made without batches).
-    wanted = [] if sharded or not imp_batches else list(settings.report_layer_importance)
-    if row.layer_importance and settings.layer_importance not in wanted:
-        wanted.insert(0, settings.layer_importance)
+    wanted = layer_measures(settings, report=not sharded and bool(imp_batches))
     measured = {name: mean_over_ranks(values, reduce_sum)
                 for name, values in (layer_importances(model, imp_batches, wanted).items() if wanted else ())}
     block_scores = None
@@ -148,6 +146,15 @@ def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSetting
         sub = subblock_removal(model, imp_batches)
         block_scores = {k: mean_over_ranks(v, reduce_sum) for k, v in sub.items()}
     return scores, measured, block_scores, crit.num_samples, imp_batches
+
+
+def layer_measures(settings: PruneSettings, report: bool = True) -> list[str]:
+    """The layer importance measures a scoring pass records: the allocation's own (rows with layer_importance),
+    then, with `report`, prune.report_layer_importance."""
+    wanted = list(settings.report_layer_importance) if report else []
+    if allocation_of(settings.allocation).layer_importance and settings.layer_importance not in wanted:
+        wanted.insert(0, settings.layer_importance)
+    return wanted
 
 
 def _importance_batches(batches: list[torch.Tensor], settings: PruneSettings) -> list[torch.Tensor]:

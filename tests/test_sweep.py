@@ -3,6 +3,7 @@ cache key, a bad space key, the tables from a fixed results file, and one real s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -139,6 +140,62 @@ def test_two_worker_processes_share_one_journal_study(tmp_path, mode):
     assert (tmp_path / "study.journal").exists()
 
 
+ONE_POINT = {"prune.allocation": ["global"], "prune.ratio": [0.2]}
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_of_two_running_duplicates_of_a_grid_point_the_older_runs_and_the_newer_defers(tmp_path, older_first):
+    """Two workers drew the same point (GridSampler re-hands a running point once none is left unstarted): each
+    sees the other running; only the newer defers, so the point ends up covered by a complete trial."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from prunelight.sweep.driver import next_step
+    from prunelight.sweep.space import suggest
+
+    s = settings(tmp_path, space=dict(ONE_POINT))
+    # a one-point space: any sampler draws that point (GridSampler's stop() works only inside optimize)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction=s.objective.direction)
+    older, newer = study.ask(), study.ask()
+    assert suggest(older, s.space) == suggest(newer, s.space)  # both running, the same point
+    worker = Worker(s, {}, fake_runner)
+    outcome = {}
+    for trial in ((older, newer) if older_first else (newer, older)):
+        try:
+            outcome[trial.number] = worker.objective(trial)
+        except optuna.TrialPruned:
+            outcome[trial.number] = "deferred"
+    assert outcome[newer.number] == "deferred" and outcome[older.number] != "deferred"
+    assert newer.user_attrs["duplicate_of"] == older.number and len(calls(tmp_path)) == 1
+    study.tell(newer, state=TrialState.PRUNED)
+    study.tell(older, outcome[older.number])
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert next_step(study, s) == "done"
+
+
+def test_a_pruned_duplicate_does_not_cover_its_grid_point(tmp_path):
+    """A point whose only trial was pruned as a duplicate (as two running duplicates used to leave it) is run."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from prunelight.sweep.driver import next_step
+    from prunelight.sweep.space import encode
+    from prunelight.sweep.store import open_study
+
+    s = settings(tmp_path, space=dict(ONE_POINT))
+    study = open_study(s)
+    study.sampler = optuna.samplers.RandomSampler(seed=0)  # GridSampler's stop() works only inside optimize
+    pruned = study.ask()
+    for key, values in ONE_POINT.items():
+        pruned.suggest_categorical(key, [encode(v) for v in values])
+    pruned.set_user_attr("duplicate_of", 1)
+    study.tell(pruned, state=TrialState.PRUNED)
+    assert next_step(study, s) == "run"
+    results = run_sweep(s, {}, fake_runner)
+    assert states(results) == ["PRUNED", "COMPLETE"] and len(calls(tmp_path)) == 1
+    assert next_step(open_study(s), s) == "done"
+
+
 def test_the_score_cache_key_ignores_ratio_and_allocation_but_not_data_or_seq_len(tmp_path):
     config = {"seed_everything": 0,
               "model": {"pretrained": str(tmp_path / "m"), "dtype": "float32", "attn_implementation": "sdpa"},
@@ -168,6 +225,134 @@ def test_the_score_cache_key_ignores_ratio_and_allocation_but_not_data_or_seq_le
     # a file whose own key disagrees (another seq_len inside) is never used, whatever its name says
     save_scores(stored, {}, {**inner, "calibration": {**inner["calibration"], "seq_len": 32}})
     assert cache.lookup(key) is None
+
+
+def _cache_config(tmp_path: Path, **prune) -> dict:
+    """A resolved-looking run config; `prune` overrides its prune section."""
+    from prunelight.data import TextSource
+
+    return {"seed_everything": 0,
+            "model": {"pretrained": str(tmp_path / "m"), "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"calibration": dataclasses.asdict(TextSource(path="a/valid.txt")), "seq_len": 64,
+                     "num_samples": 8, "seed": 0, "batch_size": 4, "calibration_batch_size": 4},
+            "prune": {"ratio": 0.2, "allocation": "global", "criterion": "flap", "criterion_args": {},
+                      "layer_importance": "block_influence", "report_layer_importance": ["block_influence"],
+                      **prune}}
+
+
+def _run_scores(path: Path, config: dict, layer_importance=("block_influence",), block_importance=None) -> Path:
+    """A scores.pt as a run of `config` writes it: its key, the layer importance and sub-block measures it took."""
+    from prunelight.saved import save_scores
+    from prunelight.sweep.cache import calibration_part
+
+    key = {"model": {"fingerprint": "abc"}, "criterion": config["prune"]["criterion"],
+           "criterion_args": config["prune"]["criterion_args"], "calibration": calibration_part(config)}
+    return save_scores(path, {}, key, layer_importance={name: [1.0, 2.0] for name in layer_importance},
+                       block_importance=block_importance)
+
+
+def test_a_null_calibration_batch_size_is_keyed_as_the_size_the_run_scores_with(tmp_path):
+    """data.calibration_batch_size: null (quickstart, recover): the run scores with data.batch_size, and so does the
+    key; a second trial with the same scoring settings hits the first one's scores."""
+    from prunelight.data import PruneDataModule, TextSource
+    from prunelight.saved import calibration_identity, save_scores
+    from prunelight.settings import PruneSettings
+    from prunelight.sweep.cache import calibration_part, prune_section
+
+    config = apply_point(_cache_config(tmp_path), {"data.calibration_batch_size": None})
+    data = config["data"]
+    source = TextSource(**data["calibration"])
+    dm = PruneDataModule(calibration=source, eval=source, num_samples=data["num_samples"], seq_len=data["seq_len"],
+                         batch_size=data["batch_size"], calibration_batch_size=None, seed=data["seed"])
+    run_calibration = calibration_identity(dm, PruneSettings(**prune_section(config)))
+    assert run_calibration["batch_size"] == 4
+    assert calibration_part(config) == run_calibration
+    # what the run stores (its own calibration identity in the file) is found by the next trial
+    run_file = tmp_path / "scores.pt"
+    save_scores(run_file, {}, {"model": {"fingerprint": "abc"}, "criterion": "flap", "criterion_args": {},
+                               "calibration": run_calibration})
+    cache = ScoreCache(tmp_path / "cache")
+    stored = cache.store(score_key(config), run_file)
+    second = apply_point(config, {"prune.ratio": 0.3})
+    assert cache.lookup(score_key(second), prune_section(second)) == stored
+    assert score_key(apply_point(config, {"data.batch_size": 8})) != score_key(config)  # scored in batches of 8
+
+
+def _accepts(hit: Path, config: dict) -> None:
+    """The trial's run takes the cached file: its settings with prune.scores, and the measures its allocation needs."""
+    from prunelight.saved import check_scores_cover, load_scores
+    from prunelight.settings import PruneSettings
+    from prunelight.sweep.cache import prune_section
+
+    check_scores_cover(load_scores(hit), PruneSettings(**{**prune_section(config), "scores": str(hit)}))
+
+
+@pytest.mark.parametrize("point, reused", [
+    ({"prune.attn_mlp_split": "1:3"}, True),
+    ({"prune.attn_mlp_split": None}, True),
+    ({"prune.attn_mlp_split": "auto"}, False),  # the run refuses prune.scores: no calibration pass to search on
+    ({"prune.allocation": "calibrated"}, False),  # nor to measure its probe removals on
+])
+def test_cached_scores_go_only_to_a_trial_whose_run_takes_them(tmp_path, point, reused):
+    from prunelight.sweep.cache import prune_section
+
+    config = _cache_config(tmp_path)
+    cache = ScoreCache(tmp_path / "cache")
+    stored = cache.store(score_key(config), _run_scores(tmp_path / "scores.pt", config))
+    trial = apply_point(config, point)
+    assert score_key(trial) == score_key(config)  # the same scores: only the settings decide
+    hit = cache.lookup(score_key(trial), prune_section(trial))
+    assert hit == (stored if reused else None)
+    if hit is not None:
+        _accepts(hit, trial)
+
+
+def test_blockwise_removal_never_reuses_scores_without_sub_block_removals(tmp_path):
+    from prunelight.sweep.cache import prune_section
+
+    config = _cache_config(tmp_path)
+    cache = ScoreCache(tmp_path / "cache")
+    plain = _run_scores(tmp_path / "scores.pt", config)  # a global run: no sub-block removal measures
+    stored = cache.store(score_key(config), plain)
+    removal = apply_point(config, {"prune.allocation": "blockwise", "prune.block_importance": "removal"})
+    units = apply_point(config, {"prune.allocation": "blockwise", "prune.block_importance": "units"})
+    assert score_key(removal) != score_key(config)
+    assert cache.lookup(score_key(removal), prune_section(removal)) is None
+    assert cache.lookup(score_key(units), prune_section(units)) == stored  # units need nothing more
+    # a file stored under the removal key that lacks the measures (an older cache, say) is declined too
+    cache.store(score_key(removal), plain)
+    assert cache.lookup(score_key(removal), prune_section(removal)) is None
+    # and a blockwise-removal run's own file is reused by the next such trial
+    blocks = {"attn": [0.1, 0.2], "mlp": [0.3, 0.4]}
+    other = ScoreCache(tmp_path / "other")
+    own = other.store(score_key(removal), _run_scores(tmp_path / "removal.pt", removal, block_importance=blocks))
+    again = apply_point(removal, {"prune.ratio": 0.3})
+    assert other.lookup(score_key(again), prune_section(again)) == own
+    _accepts(own, again)
+
+
+def test_layer_importance_is_keyed_only_where_the_allocation_measures_it(tmp_path):
+    from prunelight.sweep.cache import prune_section
+
+    config = _cache_config(tmp_path)  # records block_influence (report_layer_importance)
+    cache = ScoreCache(tmp_path / "cache")
+    plain = _run_scores(tmp_path / "scores.pt", config)
+    stored = cache.store(score_key(config), plain)
+    # global measures no layer importance of its own: trials differing only in an unused one share scores
+    unused = apply_point(config, {"prune.layer_importance": "activation_change"})
+    assert score_key(unused) == score_key(config)
+    assert cache.lookup(score_key(unused), prune_section(unused)) == stored
+    # layerwise with a measure the global run recorded: the same scores, and its run takes them
+    same = apply_point(config, {"prune.allocation": "layerwise"})
+    assert cache.lookup(score_key(same), prune_section(same)) == stored
+    _accepts(stored, same)
+    # layerwise / depth with a measure the file lacks: another key, and never that file
+    for allocation in ("layerwise", "depth"):
+        needs = apply_point(unused, {"prune.allocation": allocation})
+        assert score_key(needs) != score_key(config)
+        assert cache.lookup(score_key(needs), prune_section(needs)) is None
+        cache.store(score_key(needs), plain)  # even under its key (an older cache): declined
+        assert cache.lookup(score_key(needs), prune_section(needs)) is None
 
 
 def _write_sweep(tmp_path: Path, space: dict, **kw) -> Path:
@@ -231,7 +416,8 @@ def tiny_sweep_files(tmp_path_factory):
         # every text the run reads is local: a clone without ../shared must run this too
         "data": {"calibration": {"path": str(files["valid"])}, "eval": {"path": str(files["test"])},
                  "train": {"path": str(files["train"])},
-                 "seq_len": 16, "eval_seq_len": 16, "num_samples": 8},
+                 "seq_len": 16, "eval_seq_len": 16, "num_samples": 8,
+                 "calibration_batch_size": None},  # as quickstart/recover: the run scores in data.batch_size
         "trainer": {"limit_val_batches": 0, "enable_progress_bar": False},
         "export": {"model": False, "figures": False},
     }))
@@ -240,7 +426,7 @@ def tiny_sweep_files(tmp_path_factory):
 
 def test_a_real_sweep_of_tiny_runs_reuses_dense_evaluation_and_scores(tiny_sweep_files, tmp_path):
     """Two `prunelight fit` subprocesses (global, layerwise allocation): the second reuses the first's dense
-    evaluation and its calibration scores (and layer importance)."""
+    evaluation and its calibration scores (and layer importance), with data.calibration_batch_size null."""
     from prunelight.sweep.cache import runs_take_scores
 
     _, base = tiny_sweep_files
@@ -269,6 +455,24 @@ def test_a_real_sweep_of_tiny_runs_reuses_dense_evaluation_and_scores(tiny_sweep
     (tmp_path / "out" / "tables.md").unlink()
     assert sweep_main(["--config", str(sweep), "--report-only"]) == 0
     assert (tmp_path / "out" / "tables.md").read_text() == md
+
+
+def test_a_real_sweep_never_hands_cached_scores_to_an_auto_split_trial(tiny_sweep_files, tmp_path):
+    """attn_mlp_split auto searches the split on the calibration pass, so its run refuses prune.scores: the trial
+    after a fixed-split one with the same scoring settings scores itself instead of taking the cached file."""
+    _, base = tiny_sweep_files
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": [str(ROOT / "configs" / "reference.yaml"), str(base)],
+                                     "space": {"prune.attn_mlp_split": ["1:3", "auto"]},
+                                     "seed": 1, "out_dir": str(tmp_path / "out")}))
+    assert sweep_main(["--config", str(sweep)]) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    trials = sorted(results["trials"], key=lambda t: t["number"])
+    # the grid's seed 1 runs the fixed split first: its scores are in the cache when the auto trial starts
+    assert [t["params"]["prune.attn_mlp_split"] for t in trials] == ["1:3", "auto"]
+    assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE"], [t.get("error") for t in trials]
+    assert [t["reuse"]["scores"] for t in trials] == ["miss", "miss"]
+    assert "no scoring pass" not in Path(trials[1]["log"]).read_text()
 
 
 @pytest.mark.parametrize("name", ["reference_grid.yaml", "optuna_example.yaml"])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from prunelight.allocation import allocate, count_params, precheck
-from prunelight.allocation.targets import kv_bytes_per_token, parse_target
+from prunelight.allocation.targets import kv_bytes_per_token, parse_count, parse_target
 from prunelight.settings import SettingsError
 from prunelight.surgery import apply_plan
 from prunelight.testing import make_tiny_checkpoint, settings_of, tiny_model, write_tiny_corpus
@@ -90,6 +91,23 @@ def test_target_kv_cache_removes_groups_only_and_lands_at_or_below(allocation):
 def test_bad_target_strings_are_refused(option, value, message):
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         settings_of(0.2, **{option: value})
+
+
+@pytest.mark.parametrize("text, count", [
+    ("8.03B", 8_030_000_000), ("1.1M", 1_100_000), ("0.3K", 300), ("7e9", 7_000_000_000), ("1.2e9", 1_200_000_000),
+    ("0.29K", 290), ("2.3M", 2_300_000), ("350M", 350_000_000), (".5k", 500), (8_000_000, 8_000_000),
+    ("78144", 78_144), (8.03e9, 8_030_000_000),
+])
+def test_parameter_counts_round_to_the_nearest_whole_count(text, count):
+    # float arithmetic makes 8.03 x 1e9 = 8029999999.999999: a count is rounded, never truncated
+    assert parse_count(text) == count
+    assert parse_target("params", text).value == count
+
+
+@pytest.mark.parametrize("text", ["6.5X", "-3M", "lots", "", "0.3", 0, float("nan"), True])
+def test_a_bad_parameter_count_is_refused_naming_the_value(text):
+    with pytest.raises(ValueError, match=f"^{re.escape(repr(text))} is not a (positive )?parameter count"):
+        parse_count(text)
 
 
 def test_targets_are_exclusive_and_kv_needs_global_or_uniform():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 
 # Bytes per weight of each dtype name a target may name.
 DTYPE_BYTES: dict[str, float] = {
@@ -53,19 +54,21 @@ class Target:
 
 
 def parse_count(text: str | int | float) -> int:
-    """'6.5B', '350M', '1.2e9', 8000000 -> a positive whole number of parameters (ValueError otherwise)."""
+    """'6.5B', '350M', '1.2e9', 8000000 -> a positive whole number of parameters, rounded (ValueError otherwise)."""
     if isinstance(text, bool):
-        raise ValueError("not a count")
+        raise ValueError(f"{text!r} is not a parameter count")
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = Decimal(text) if math.isfinite(text) else None
     else:
         m = re.fullmatch(_NUMBER + r"\s*([a-z]?)", str(text).strip().lower())
-        if not m or m.group(2) not in COUNT_SUFFIXES:
-            raise ValueError("not a count")
-        value = float(m.group(1)) * COUNT_SUFFIXES[m.group(2)]
-    if not math.isfinite(value) or value < 1:
-        raise ValueError("not a positive count")
-    return int(value)
+        # Decimal, not float: '8.03B' is 8.03 x 10^9 exactly (float gives 8029999999.999999)
+        value = Decimal(m.group(1)) * COUNT_SUFFIXES[m.group(2)] if m and m.group(2) in COUNT_SUFFIXES else None
+    if value is None:
+        raise ValueError(f"{text!r} is not a parameter count")
+    count = round(value)  # the nearest whole count: a float such as 8.03e9 is 8029999999.999999, not 8029999999
+    if count < 1:
+        raise ValueError(f"{text!r} is not a positive parameter count")
+    return int(count)
 
 
 def parse_bytes(text: str) -> tuple[float, str, float]:

@@ -1,14 +1,18 @@
-"""The calibration-score cache: one `scores.pt` per (model, criterion, criterion_args, calibration data) key.
+"""The calibration-score cache: one `scores.pt` per (model, criterion, criterion_args, calibration data, measures) key.
 
 A trial that changes only what is done with the scores (ratio, allocation, reconstruction, recovery) reuses
 the scores of an earlier trial: the run gets `--prune.scores <cache>/<digest>.pt` and skips its calibration
 pass. The cache is indexed by a key computed from the trial's resolved config before the run, since the
-sweep loads no model: the model folder's weight files (name, size, mtime), criterion and its arguments, and
-the calibration part of `prunelight.saved.scores_key` (`calibration_identity`: source, seq_len, num_samples,
-seed, batch size, batch limits). On a hit, the key stored inside the file is compared with it by
-`prunelight.saved.check_key` (criterion, arguments, calibration), and the run itself checks the model part
-(weights fingerprint), so a stale or foreign file is never used. A miss runs normally and then stores the
-run's own `scores.pt` under the key (write-then-rename: two workers storing the same key leave one whole file).
+sweep loads no model: the model folder's weight files (name, size, mtime), criterion and its arguments, the
+calibration part of `prunelight.saved.scores_key` (`calibration_identity`: source, seq_len, num_samples,
+seed, the batch size the run scores with, batch limits), and the measures the run records beside the unit
+scores (layer importance where its allocation measures it, sub-block removals; `recorded_measures`). On a hit,
+the key stored inside the file is compared with it by `prunelight.saved.check_key` (criterion, arguments,
+calibration), and the file is handed over only when the trial's run takes it: its settings allow
+`prune.scores` (not `attn_mlp_split: auto`, not an allocation that probes) and the file holds every measure its
+allocation needs (`check_scores_cover`); the run itself checks the model part (weights fingerprint), so a
+stale, foreign or refused file is never used. A miss runs normally and then stores the run's own `scores.pt`
+under the key (write-then-rename: two workers storing the same key leave one whole file).
 """
 
 from __future__ import annotations
@@ -54,26 +58,52 @@ def calibration_part(config: dict[str, Any]) -> dict[str, Any]:
     """`prunelight.saved.calibration_identity` as the run will compute it, from the resolved config alone."""
     from types import SimpleNamespace
 
+    from prunelight.data import effective_calibration_batch_size
     from prunelight.saved import calibration_identity
 
     limits = SimpleNamespace(max_calibration_batches=_get(config, "prune.max_calibration_batches"),
                              importance_batches=_get(config, "prune.importance_batches"))
+    # the size the run scores with (null falls back to data.batch_size), resolved as the data module does
+    batch_size = effective_calibration_batch_size(_get(config, "data.calibration_batch_size"),
+                                                  _get(config, "data.batch_size"))
     return calibration_identity(None, limits, source=_get(config, "data.calibration"),
                                 seq_len=_get(config, "data.seq_len"), num_samples=_get(config, "data.num_samples"),
-                                seed=_get(config, "data.seed"), batch_size=_get(config, "data.calibration_batch_size"))
+                                seed=_get(config, "data.seed"), batch_size=batch_size)
+
+
+def prune_section(config: dict[str, Any]) -> dict[str, Any]:
+    """The trial's `prune:` section as keyword arguments of `PruneSettings`."""
+    return dict(config.get("prune") or {})
+
+
+def recorded_measures(config: dict[str, Any]) -> dict[str, Any]:
+    """What the run's scores.pt holds beside the unit scores: its layer importance measures and sub-block removals.
+
+    Read through the run's own functions and the allocation's registry row: `prune.layer_importance` counts only
+    where the row measures it (`layer_importance`: layerwise, depth), so trials differing only in an unused one
+    share scores, and a trial that needs a measure never shares a key with a file that lacks it.
+    """
+    from prunelight.allocation.registry import allocation_of
+    from prunelight.pipeline import layer_measures
+    from prunelight.settings import PruneSettings
+
+    settings = PruneSettings(**prune_section(config))
+    return {"layer_importance": sorted(layer_measures(settings)),
+            "block_removal": allocation_of(settings.allocation).block_removal(settings)}
 
 
 def score_key(config: dict[str, Any]) -> dict[str, Any]:
-    """What a trial's scores depend on, read from its resolved run config (nothing that only uses the scores)."""
+    """What a trial's scores depend on, read from its resolved run config (nothing that only uses the scores).
+
+    ValueError when the trial's prune settings are not allowed (its run refuses them too).
+    """
     return {
         "model": {**model_fingerprint(_get(config, "model.pretrained")), "dtype": _get(config, "model.dtype"),
                   "attn_implementation": _get(config, "model.attn_implementation")},
         "criterion": _get(config, "prune.criterion"),
         "criterion_args": _get(config, "prune.criterion_args") or {},
         "calibration": calibration_part(config),
-        # what else the saved file must hold: the layer importance measures the run records
-        "layer_importance": sorted({_get(config, "prune.layer_importance")}
-                                   | set(_get(config, "prune.report_layer_importance") or [])),
+        **recorded_measures(config),  # what else the saved file must hold
         "seed_everything": config.get("seed_everything"),
     }
 
@@ -104,8 +134,9 @@ class ScoreCache:
         """Where the scores of `key` live."""
         return self.folder / f"{digest(key)}.pt"
 
-    def lookup(self, key: dict[str, Any]) -> Path | None:
-        """The cached file for `key`, or None; a file whose stored key differs from `key` is not used."""
+    def lookup(self, key: dict[str, Any], prune: dict[str, Any] | None = None) -> Path | None:
+        """The cached file for `key`, or None; a file whose stored key differs from `key`, or (given the trial's
+        `prune` section) one its run would refuse, is not used."""
         path = self.path(key)
         index = path.with_suffix(INDEX_SUFFIX)
         if not path.is_file() or not index.is_file():
@@ -116,20 +147,26 @@ class ScoreCache:
             return None
         if json.loads(json.dumps(stored, sort_keys=True)) != json.loads(json.dumps(key, sort_keys=True, default=str)):
             return None
-        if not self._file_key_matches(path, key):
+        if not self._usable(path, key, prune):
             return None
         return path
 
     @staticmethod
-    def _file_key_matches(path: Path, key: dict[str, Any]) -> bool:
-        """The key saved inside scores.pt by the run agrees with ours (criterion, arguments, calibration)."""
-        from prunelight.saved import check_key, load_scores
+    def _usable(path: Path, key: dict[str, Any], prune: dict[str, Any] | None) -> bool:
+        """The key saved inside scores.pt by the run agrees with ours (criterion, arguments, calibration), and the
+        trial's run takes the file: its settings allow `prune.scores` (not with attn_mlp_split auto or an
+        allocation that probes) and the file holds every measure its allocation needs (the run's own checks)."""
+        from prunelight.errors import one_line
+        from prunelight.saved import check_key, check_scores_cover, load_scores
+        from prunelight.settings import PruneSettings
 
         try:
             saved = load_scores(path)
             check_key(saved.key, key, str(path), parts=("criterion", "criterion_args", "calibration"))
-        except (OSError, ValueError) as err:
-            log.info("sweep: score cache file not used: %s", err)
+            if prune is not None:
+                check_scores_cover(saved, PruneSettings(**{**prune, "scores": str(path)}))
+        except (OSError, TypeError, ValueError) as err:
+            log.info("sweep: score cache file not used: %s", one_line(err))
             return False
         return True
 

@@ -1,9 +1,10 @@
 """The worker loop: fail dead trials, pick the next one (Optuna), run it, persist it, print progress; repeat.
 
 Any number of workers (processes of this command, on one host or, with an RDB storage, several) run the
-same loop on one study. Grid mode stops when every grid point has a finished trial; optuna mode when
-`n_trials` trials have finished. A worker with nothing left to start waits for the trials other live
-workers are running, so the tables it writes at the end are complete.
+same loop on one study. Grid mode stops when every grid point has a complete or failed trial (a duplicate
+pruned unrun counts for nothing; of two workers that drew the same point, the older trial runs and the
+newer defers); optuna mode when `n_trials` trials have finished. A worker with nothing left to start waits
+for the trials other live workers are running, so the tables it writes at the end are complete.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def next_step(study, settings: SweepSettings) -> str:
         return "run"
     running = [t for t in trials if t.state == TrialState.RUNNING]
     if settings.grid:
-        covered = {_signature(t.params) for t in trials if t.params}
+        covered = {_signature(t.params) for t in trials if t.params and covers_point(t)}
         todo = [p for p in grid_points(settings.space) if _signature(p) not in covered]
         return "run" if todo else ("wait" if running else "done")
     finished = [t for t in trials if t.state.is_finished() and not t.user_attrs.get("stale")
@@ -51,6 +52,24 @@ def next_step(study, settings: SweepSettings) -> str:
     if len(finished) + len(running) < settings.n_trials:
         return "run"
     return "wait" if running and len(finished) < settings.n_trials else "done"
+
+
+def covers_point(trial) -> bool:
+    """Whether a trial accounts for its grid point: complete, running, or failed (its error is the point's result;
+    a stale one's retry is queued by the retry callback). A pruned duplicate ran nothing, so it covers nothing."""
+    from optuna.trial import TrialState
+
+    return trial.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.FAIL)
+
+
+def defers_to(trial, other) -> bool:
+    """Whether `trial` leaves its grid point to `other` (same params): a complete one, or an older running one.
+
+    Two running duplicates (workers that drew the same point) thus never both step aside: the older runs.
+    """
+    from optuna.trial import TrialState
+
+    return other.state == TrialState.COMPLETE or (other.state == TrialState.RUNNING and other.number < trial.number)
 
 
 def total_trials(settings: SweepSettings) -> int:
@@ -141,12 +160,12 @@ class Worker:
         return value
 
     def _duplicate(self, trial, point: dict[str, Any]) -> int | None:
-        """Another trial (finished well, or running in a live worker) with the same grid point."""
+        """The trial with the same grid point this one defers to (`defers_to`), or None."""
         from optuna.trial import TrialState
 
         sig = _signature(point)
         for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)):
-            if t.number != trial.number and t.params and _signature(t.params) == sig:
+            if t.number != trial.number and t.params and _signature(t.params) == sig and defers_to(trial, t):
                 return t.number
         return None
 

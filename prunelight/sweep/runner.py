@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prunelight.atomic import atomic_write_json, atomic_write_text
-from prunelight.sweep.cache import SCORES_FILE, ScoreCache, score_key
+from prunelight.sweep.cache import SCORES_FILE, ScoreCache, prune_section, score_key
 from prunelight.sweep.space import nested
 
 log = logging.getLogger("prunelight")
@@ -126,19 +126,30 @@ def _error_line(log_path: Path, returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def _cached_scores(spec: TrialSpec) -> tuple[dict[str, Any] | None, Path | None]:
+    """The trial's score-cache key (None: no cache, or prune settings its run refuses) and the cached file its run
+    takes (None: a miss)."""
+    if spec.score_cache is None:
+        return None, None
+    try:
+        key = score_key(spec.config)
+    except (TypeError, ValueError) as err:  # the run refuses these settings itself, with its own one-line error
+        log.info("sweep: trial %d: no score cache (%s)", spec.number, err)
+        return None, None
+    return key, spec.score_cache.lookup(key, prune_section(spec.config))
+
+
 def subprocess_runner(spec: TrialSpec) -> dict:
     """Run one trial as `python -m prunelight fit` and return its result (metrics, times, memory, reuse)."""
     spec.trial_dir.mkdir(parents=True, exist_ok=True)
     overrides = nested(spec.point)
     overrides.setdefault("export", {})["out_dir"] = str(spec.trial_dir)
     reuse: dict[str, Any] = {"scores": "off", "dense": "off"}
-    key = None
-    if spec.score_cache is not None:
-        key = score_key(spec.config)
-        hit = spec.score_cache.lookup(key)
+    key, hit = _cached_scores(spec)
+    if key is not None:
         reuse["scores"] = "hit" if hit else "miss"
-        if hit:
-            overrides.setdefault("prune", {})["scores"] = str(hit.resolve())
+    if hit:
+        overrides.setdefault("prune", {})["scores"] = str(hit.resolve())
     if spec.dense_cache:
         overrides.setdefault("evaluation", {})["dense_cache"] = str(Path(spec.dense_cache).resolve())
     import yaml
