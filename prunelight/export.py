@@ -30,14 +30,29 @@ class NasExportError(ValueError):
     """`export.format: nemotron_nas` asked for a model the Nemotron-NAS (DeciLM) layout cannot state."""
 
 
-# What each format was checked in: scripts/serve_check.py serves a tiny and a SmolLM2 export in vLLM and compares
-# greedy continuations with transformers on the same folder (tests/test_serving.py, CI's vLLM step).
-ENGINES_VERIFIED = {
-    "stock": ["vLLM 0.32.0 (checked on Llama exports: LlamaForCausalLM)", "transformers"],
-    "nemotron_nas": ["vLLM 0.32.0 (DeciLMForCausalLM, trust_remote_code for the config class)",
-                     "transformers (prunelight imported, or trust_remote_code)"],
-    "prunelight": ["transformers (prunelight imported, or trust_remote_code)"],
+# Engines the exports were checked in: scripts/serve_check.py serves tiny stock exports of every family, tiny and
+# SmolLM2 nemotron_nas exports, in vLLM and compares greedy continuations with transformers on the same folder
+# (results/benchmarks/serve_check.md; CI's vLLM step). Which family/format pairs passed is a family fact.
+VLLM_VERSION = "vLLM 0.32.0"
+NOT_RUN = "llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM"
+TRANSFORMERS_LOAD = {
+    "stock": "transformers (plain, no trust_remote_code)",
+    "nemotron_nas": "transformers (prunelight imported, or trust_remote_code)",
+    "prunelight": "transformers (prunelight imported, or trust_remote_code)",
 }
+
+
+def engines_verified(config) -> list[str]:
+    """What an exported folder with this `config.json` config was verified in by prunelight's own checks."""
+    fmt, family = format_of(config), get_family(config)  # a stock fallback (Llama -> Mistral) is its own family
+    engines = [TRANSFORMERS_LOAD[fmt]]
+    if fmt in family.vllm_served:
+        arch = ", ".join(getattr(config, "architectures", None) or [family.model_class.__name__])
+        note = f"; {family.vllm_note}" if family.vllm_note else ""
+        engines.insert(0, f"{VLLM_VERSION} ({arch}: greedy output equal to transformers'{note})")
+    return engines
+
+
 NAS_ARCHITECTURE = "DeciLMForCausalLM"
 
 

@@ -211,6 +211,11 @@ class ModelFamily:
     nemotron_nas: bool = False
     """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
     `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
+    vllm_served: tuple[str, ...] = ("stock",)
+    """Export formats of this family that vLLM 0.32.0 served with greedy output equal to transformers' in
+    prunelight's serving check (`scripts/serve_check.py`, results/benchmarks/serve_check.md)."""
+    vllm_note: str | None = None
+    """A known difference between vLLM and transformers for this family, stated in the report and model card."""
     extra_model_types: tuple[str, ...] = ()
     """Other config.model_type values whose models are this family's (Llama: `nemotron-nas`, the served layout
     prunelight writes, reloaded as NemotronNasForCausalLM, a LlamaForCausalLM)."""
@@ -457,7 +462,7 @@ class ModelFamily:
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
     attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
-    extra_model_types=(modeling.NemotronNasConfig.model_type,),
+    vllm_served=("stock", "nemotron_nas"), extra_model_types=(modeling.NemotronNasConfig.model_type,),
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
@@ -472,6 +477,10 @@ QWEN2 = ModelFamily(
 QWEN3 = ModelFamily(
     "qwen3", Qwen3Config, Qwen3ForCausalLM, modeling.PrunedQwen3Config, modeling.PrunedQwen3ForCausalLM,
     attn_bias="config", mlp_bias="none",
+    # vLLM 0.32.0's Qwen3 builds o_proj without a bias; transformers adds one when attention_bias is true (no
+    # published Qwen3 sets it): such a model differs in vLLM even unpruned (checked on a tiny dense model).
+    vllm_note="with attention_bias: true vLLM 0.32.0 drops o_proj's bias (its outputs differ from transformers' "
+              "even unpruned); Qwen3 checkpoints as published have attention_bias: false",
 )
 # Gemma 2 / 3: the sandwich norms act on hidden_size, soft-capping on scores/logits, the attention scale on
 # query_pre_attn_scalar: none depends on the number of heads or channels, so the generic cut is exact.

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import prunelight
+from prunelight.export import NOT_RUN
 
-STOCK_ENGINES = "vLLM, llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM read this stock config"
 NAS_ENGINES = ("vLLM serves it as `DeciLMForCausalLM` (`LLM(model=folder, trust_remote_code=True)`: the remote code is "
               "only the config class in `modeling_prunelight.py`); transformers loads it with prunelight imported or "
               "trust_remote_code=True")
@@ -105,9 +105,10 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
     lines += ["", "## Format", ""]
     archs = ", ".join(cfg.get("architectures") or [])
     if stock:
-        lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code: {STOCK_ENGINES}. Loads with plain "
-                     "transformers, without trust_remote_code or prunelight (prunelight's tests check such folders "
-                     "give the pruned model's logits).")
+        lines.append(f"Stock `{model_type}` config (`{archs}`), no custom code. Loads with plain transformers, "
+                     "without trust_remote_code or prunelight (prunelight's tests check such folders give the pruned "
+                     f"model's logits). Not run by prunelight: {NOT_RUN}; they support this architecture's stock "
+                     "config, but no prunelight export was checked in them.")
     elif nas:
         lines.append(f"Nemotron-NAS layout `{model_type}` (`{archs}`): per-layer MLP widths, one query/KV head count "
                      f"in every layer that keeps attention (`block_configs`). {NAS_ENGINES}.")

@@ -315,8 +315,8 @@ class ExportSettings:
     """Model folder type. auto: a stock config when every layer has one shape, else the Nemotron-NAS layout when it
     states the shapes, else the prunelight type (per-layer widths; transformers loads it with trust_remote_code,
     serving engines do not). stock: the cut keeps one shape in every layer (MLP-only pruning allowed, whole layers
-    may go) and the folder is a stock Llama/Mistral/Qwen2 config that vLLM, llama.cpp, TGI and TensorRT-LLM read
-    (README, "Deployable export"). nemotron_nas: the cut keeps MLP widths free per layer and one GQA group count in
+    may go) and the folder is the family's stock config (every supported family; vLLM serves each in the serving
+    check: README, "Deployable export"). nemotron_nas: the cut keeps MLP widths free per layer and one GQA group count in
     every layer that keeps attention, and the folder is the Nemotron-NAS layout vLLM serves as DeciLMForCausalLM
     (Llama-like families; README, "Serving")."""
 

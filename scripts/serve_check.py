@@ -7,6 +7,8 @@ tokens' log-probabilities is printed. Writes a JSON summary.
 
     # tiny models built from configs (stock, nemotron_nas, nemotron_nas with removed sub-blocks), ~4 min:
     python scripts/serve_check.py --tiny --vllm-python ~/vllm-venv/bin/python
+    # a tiny stock export of every supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3):
+    python scripts/serve_check.py --tiny-families --vllm-python ~/vllm-venv/bin/python
     # SmolLM2 (a float32 HF folder), pruned 20% to stock and nemotron_nas (magnitude, no calibration), ~6 min:
     python scripts/serve_check.py --prune /path/to/smollm2-f32 --vllm-python ~/vllm-venv/bin/python
     # folders a run wrote:
@@ -150,6 +152,21 @@ def tiny_folders(out: Path) -> list[Path]:
     return folders
 
 
+def family_folders(out: Path) -> list[Path]:
+    """A tiny model of every supported family, cut 30% for `export.format: stock` and exported."""
+    from prunelight.families import MODEL_FAMILIES
+    from prunelight.testing import tiny_model, tiny_tokenizer
+
+    tok, folders = tiny_tokenizer(), []
+    for name in MODEL_FAMILIES:
+        # head_dim 32: a size vLLM's CPU attention kernels take; 4 query / 2 KV heads keep a GQA ratio to cut.
+        # attention_bias false as published checkpoints have it (vLLM's Qwen3 has no o_proj bias: vllm_note).
+        model = tiny_model(name, seed=0, num_hidden_layers=4, head_dim=32, initializer_range=0.2,
+                           attention_bias=False)
+        folders.append(export_pretrained(_cut(model, "stock", 0.3), out / f"tiny_{name}_stock", tok, format="stock"))
+    return folders
+
+
 def tiny_prompts(n: int = 4, length: int = 6, vocab: int = 128) -> list[list[int]]:
     """Fixed token-id prompts for the tiny models."""
     g = torch.Generator().manual_seed(0)
@@ -174,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON"), required="PRUNELIGHT_VLLM_PYTHON" not in os.environ)
     ap.add_argument("--tiny", action="store_true", help="build, prune and export tiny Llama models")
+    ap.add_argument("--tiny-families", action="store_true", help="a tiny stock export of every supported family")
     ap.add_argument("--prune", action="append", default=[], help="a float32 HF folder to prune (stock, nemotron_nas)")
     ap.add_argument("--ratio", type=float, default=0.2)
     ap.add_argument("--folder", action="append", default=[], help="an exported folder to check as it is")
@@ -186,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         for f in tiny_folders(work):
             results.append(check_folder(f, tiny_prompts(), args.vllm_python, max_model_len=128, log_dir=work))
+    if args.tiny_families:
+        for f in family_folders(work):
+            try:
+                results.append(check_folder(f, tiny_prompts(), args.vllm_python, max_model_len=128, log_dir=work))
+            except Exception as exc:  # one family vLLM refuses must not hide the others' results
+                print(f"{'stock':>13} {f.name:<22} NOT SERVED  {str(exc).splitlines()[-1][:200]}", flush=True)
+                results.append({"folder": str(f), "format": "stock", "equal": False, "served": False,
+                                "error": str(exc)[-2000:], "max_abs_logprob_diff": float("nan")})
     for source in args.prune:
         from transformers import AutoTokenizer
 

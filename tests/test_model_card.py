@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from prunelight.cli import cli_main
+from prunelight.export import engines_verified
+from prunelight.families import MODEL_FAMILIES
 from prunelight.model_card import model_card
 from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, write_tiny_corpus
 
@@ -36,10 +38,40 @@ def test_card_reads_the_record_defensively():
     assert "1,000 -> 800 (20.00% removed)" in card
     assert "Query heads: 28 in each of 2 layers" in card and "MLP width: 11264 in each of 2 layers" in card
     assert '"loss": "kl"' in card and "| recovered | 12.50 |" in card
-    assert "Stock `mistral` config (`MistralForCausalLM`)" in card and "vLLM" in card
+    assert "Stock `mistral` config (`MistralForCausalLM`)" in card
+    # Engines nothing here ran are named only as not run (issue 26: the card claimed all four read the folder).
+    for engine in ("llama.cpp", "TGI", "TensorRT-LLM"):
+        line = next(ln for ln in card.splitlines() if engine in ln)
+        assert "Not run by prunelight: llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM" in line
+    assert "vLLM" not in card  # no serving check recorded for this run: the card claims none
+    served = model_card({**record, "engines_verified": ["vLLM 0.32.0 (MistralForCausalLM: greedy ...)"]},
+                        config={"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    assert "verified in by prunelight's serving check" in served and "vLLM 0.32.0 (MistralForCausalLM" in served
     assert "prunelight fit --config configs/deploy.yaml" in card
     pruned = model_card(record, config={"model_type": "prunelight_llama", "layer_shapes": [{}], "auto_map": {}})
     assert "trust_remote_code=True" in pruned and "Stock" not in pruned
+
+
+@pytest.mark.parametrize("family", sorted(MODEL_FAMILIES))
+def test_engines_verified_states_what_the_serving_check_ran(family):
+    fam = MODEL_FAMILIES[family]
+    stock = fam.config_class(architectures=[fam.model_class.__name__])
+    engines = engines_verified(stock)
+    # Every family's stock export was served by vLLM (scripts/serve_check.py --tiny-families): named with its class.
+    assert engines[0].startswith(f"vLLM 0.32.0 ({fam.model_class.__name__}: greedy output equal to transformers'")
+    assert engines[-1] == "transformers (plain, no trust_remote_code)"
+    assert ("attention_bias" in engines[0]) == (family == "qwen3")  # the one difference found: vLLM's Qwen3 o_proj
+    pruned = fam.pruned_config_class(layer_shapes=[{}], architectures=[fam.pruned_model_class.__name__])
+    assert engines_verified(pruned) == ["transformers (prunelight imported, or trust_remote_code)"]
+    assert not any(e in " ".join(engines) for e in ("llama.cpp", "TGI", "TensorRT"))
+
+
+def test_readme_names_every_family_as_exporting_stock():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deployable export"):]
+    section = section[:section.index("\n## ", 5)]
+    for fam in MODEL_FAMILIES.values():
+        assert f"`{fam.model_class.__name__}`" in section, fam.name
 
 
 @pytest.fixture(scope="module")

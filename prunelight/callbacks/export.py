@@ -16,7 +16,7 @@ from prunelight.console import progress
 from prunelight.distributed import zero_stage
 from prunelight.evaluation.figures import write_figures
 from prunelight.evaluation.run import RunEvaluator
-from prunelight.export import ENGINES_VERIFIED, export_config, export_pretrained, format_of
+from prunelight.export import engines_verified, export_config, export_pretrained, format_of
 from prunelight.families import get_family
 from prunelight.model_card import model_card
 from prunelight.paths import FAST_DEV_RUN_DIR
@@ -66,8 +66,8 @@ class ExportCallback(L.Callback):
             record.evaluation_settings = self.evaluator.settings.suite.as_dict()
         if trainer.is_global_zero:
             if self.settings.model:
-                fmt = format_of(export_config(final, self.settings.format))
-                record.export_format, record.engines_verified = fmt, list(ENGINES_VERIFIED[fmt])
+                config = export_config(final, self.settings.format)
+                record.export_format, record.engines_verified = format_of(config), engines_verified(config)
                 t0 = time.perf_counter()
                 with progress(None, "export", total=1, unit="folder") as bar:
                     export_pretrained(final, self.out_dir / "model", tokenizer=pl_module.load_tokenizer(),
