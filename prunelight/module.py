@@ -215,8 +215,10 @@ class PruneLM(L.LightningModule):
         with torch.no_grad():
             t_hidden = teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
         logits = out.logits
+        # The head plus the family's logit transform (Gemma's soft-cap): the logits the teacher's forward returns.
+        head = get_family(teacher).logits_head(teacher)
         term = logit_distillation(logits.reshape(-1, logits.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]),
-                                  teacher.get_output_embeddings(), d.loss, d.temperature, d.chunk_tokens)
+                                  head, d.loss, d.temperature, d.chunk_tokens)
         if d.hidden:
             term = term + hidden_mse(out.hidden_states[-1], t_hidden)
         self.log_dict({"train_ce": out.loss.detach(), "train_distill": term.detach()})

@@ -16,7 +16,7 @@ from prunelight.distill import DistillationSettings, logit_distillation
 from prunelight.module import PruneLM
 from prunelight.recovery import LoRASettings
 from prunelight.settings import PruneSettings, SettingsError
-from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, tiny_tokenizer, write_tiny_corpus
+from prunelight.testing import make_tiny_checkpoint, tiny_config, tiny_fit_args, tiny_tokenizer, write_tiny_corpus
 
 
 
@@ -95,6 +95,27 @@ def test_alpha_zero_is_plain_ce_and_a_twin_teacher_gives_zero_kl(tmp_path):
     torch.testing.assert_close(module._distillation_loss(batch), ce, rtol=0, atol=1e-6)
     module.distillation = DistillationSettings(alpha=1.0, loss="kl", temperature=2.0, hidden=True)
     assert module._distillation_loss(batch).abs().item() < 1e-5
+
+
+def _twin(family: str, **distill) -> PruneLM:
+    """A config-built module whose teacher is a snapshot of itself, its logits sharpened past Gemma 2's cap (3.0)."""
+    module = PruneLM(config=tiny_config(family).to_dict(), recovery="full", attn_implementation="eager",
+                     distillation=DistillationSettings(**distill))
+    torch.manual_seed(0)
+    module.configure_model()
+    with torch.no_grad():
+        module.base_model.get_output_embeddings().weight.mul_(8)
+    module.snapshot_teacher()
+    return module
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_a_model_distilled_against_itself_gives_zero_kl(family, chunk):
+    """The teacher's logits get the family's transform (Gemma 2's final soft-cap), as the student's forward does."""
+    module = _twin(family, alpha=1.0, loss="kl", chunk_tokens=chunk)
+    batch = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert module._distillation_loss(batch).abs().item() < 1e-6
 
 
 @pytest.mark.parametrize("recovery", ["lora", "full"])
