@@ -254,7 +254,7 @@ class ModelFamily:
         return getattr(config, "final_logit_softcapping", None) if self.final_logit_softcapping else None
 
     def logits_head(self, model: nn.Module) -> LogitsHead:
-        """A module turning the decoder's last hidden state into the logits `model(...)` returns (applicable per chunk)."""
+        """A module turning the decoder's last hidden state into the logits `model(...)` returns (per chunk too)."""
         base = unwrap(model)
         return LogitsHead(base.get_output_embeddings(), self.logit_softcap(base.config))
 
