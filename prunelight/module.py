@@ -18,7 +18,7 @@ from prunelight.families import get_family, unwrap
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
-from prunelight import sources
+from prunelight import rng_state, sources
 from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
 from prunelight.teacher import Teacher
@@ -78,7 +78,7 @@ class PruneLM(L.LightningModule):
         self.dense_pretrained = sources.one_value(pretrained, gguf_file)
         teacher_dtype = distillation.teacher_dtype(DTYPES[dtype]) if distillation else DTYPES[dtype]
         self.frozen_teacher = Teacher(teacher_dtype, attn_implementation, trust_remote_code)  # a plain object
-        self._rng_to_restore: dict | None = None
+        self._rng_to_restore: list[dict] | dict | None = None  # a checkpoint's per-rank states (rng_state)
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
 
@@ -193,7 +193,7 @@ class PruneLM(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self._rng_to_restore is not None:
             # Resumed run: continue the RNG streams (LoRA dropout) exactly where the checkpoint left them.
-            checkpoint_state.restore_rng_states(self._rng_to_restore)
+            rng_state.restore(self._rng_to_restore)
             self._rng_to_restore = None
         distill = self.distillation is not None and self.plan is not None  # the teacher exists only after the cut
         if distill:
