@@ -1,19 +1,18 @@
 """What a Lightning checkpoint of `PruneLM` carries beside the weights, and how the module is rebuilt from it.
 
 The plan (re-applied on load, so the saved state dict fits), whether `pretrained` is already cut, LoRA,
-reconstruction's biases, the run record and the random states. Under LoRA recovery of a plan cut from
-`pretrained` before training, only the trainable weights are stored: the frozen base is `pretrained` + plan.
+reconstruction's biases, the run record and every rank's random states (`rng_state`). Under LoRA recovery of a
+plan cut from `pretrained` before training, only the trainable weights are stored: the frozen base is
+`pretrained` + plan.
 """
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from torch import nn
 
+from prunelight import rng_state
 from prunelight.cut_state import CutState
 from prunelight.families import get_family
 from prunelight.plan import PrunePlan
@@ -55,7 +54,8 @@ def save(module: PruneLM, checkpoint: dict) -> None:
         "reconstructed": cut.reconstructed,
         "output_bias": bool(getattr(module.base_model.config, "output_bias", False)),
         "dense_pretrained": module.dense_pretrained,
-        "rng": rng_states(),
+        # Every rank's own streams: on_save_checkpoint runs on all ranks, rank 0 alone writes the file.
+        "rng": rng_state.gather(),
     }
 
 
@@ -63,7 +63,7 @@ def load(module: PruneLM, checkpoint: dict) -> None:
     """Rebuild the pruned (and LoRA-wrapped) structure so the saved state dict fits (on_load_checkpoint)."""
     state = checkpoint.get(CKPT_KEY) or {}
     module.dense_pretrained = state.get("dense_pretrained", module.dense_pretrained)
-    module._rng_to_restore = state.get("rng")  # applied at the first training step, after all setup draws
+    module._rng_to_restore = state.get("rng")  # this rank's entry, set at the first training step after setup draws
     if state.get("pretrained_is_pruned") and module.model is None:
         module.cut_state = CutState.continuing(PrunePlan.from_dict(state["plan"]))
     module.configure_model()
@@ -88,24 +88,3 @@ def load(module: PruneLM, checkpoint: dict) -> None:
 def trainable_keys(module: nn.Module) -> set[str]:
     """State-dict keys of the parameters that train (LoRA adapters), as `module.state_dict()` names them."""
     return {name for name, p in module.named_parameters() if p.requires_grad}
-
-
-def rng_states() -> dict:
-    """The global random states a training step draws from (torch CPU/CUDA, Python, NumPy)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    # Plain types: Lightning loads checkpoints with weights_only=True, which refuses NumPy arrays.
-    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
-              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: dict) -> None:
-    """Inverse of `rng_states` (a CUDA state is restored only where CUDA runs)."""
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])

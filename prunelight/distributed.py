@@ -13,6 +13,23 @@ import torch
 
 
 # --- ranks and reductions ---------------------------------------------------------------------
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's global rank and the world size of the default process group ((0, 1) without one)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def all_gather_object(obj) -> list:
+    """`obj` of every rank, indexed by global rank (a collective: every rank must call it; [obj] on one process)."""
+    _, world = rank_and_world_size()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def strategy_sum(trainer, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function summing a tensor over all ranks with the Trainer's strategy (identity on one process)."""
 

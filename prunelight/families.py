@@ -178,6 +178,21 @@ def _sliced_linear(old: nn.Linear, rows: torch.Tensor | None, cols: torch.Tensor
     return new
 
 
+class LogitsHead(nn.Module):
+    """The LM head followed by the family's logit transform: hidden states -> the logits the model's forward returns."""
+
+    def __init__(self, head: nn.Module, softcap: float | None = None) -> None:
+        super().__init__()
+        self.head, self.softcap = head, softcap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.softcap is None:
+            return logits
+        # The same operations, in the same order, as transformers' Gemma 2/3 forward: equal logits bit for bit.
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """Module names, stock classes, unit ownership and layer surgery for one model family."""
@@ -208,6 +223,9 @@ class ModelFamily:
     attn_heads_from_config: bool = False
     attn_norm_name: str = "input_layernorm"
     mlp_norm_name: str = "post_attention_layernorm"
+    final_logit_softcapping: bool = False
+    """The causal LM soft-caps its logits (cap * tanh(logits / cap), cap = config.final_logit_softcapping, no cap when
+    that is null) after the LM head, so logits built from the decoder's output must apply it too (`logits_head`)."""
     nemotron_nas: bool = False
     """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
     `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
@@ -234,6 +252,16 @@ class ModelFamily:
         """The projections LoRA adapts by default: every attention and MLP linear (a fused one once)."""
         names = [self.q_name, self.k_name, self.v_name, self.o_name, self.gate_name, self.up_name, self.down_name]
         return list(dict.fromkeys(names))
+
+    # --- logits -----------------------------------------------------------------------------
+    def logit_softcap(self, config) -> float | None:
+        """The soft cap the model's forward applies to the LM head's output (None: the head's output is the logits)."""
+        return getattr(config, "final_logit_softcapping", None) if self.final_logit_softcapping else None
+
+    def logits_head(self, model: nn.Module) -> LogitsHead:
+        """A module turning the decoder's last hidden state into the logits `model(...)` returns (per chunk too)."""
+        base = unwrap(model)
+        return LogitsHead(base.get_output_embeddings(), self.logit_softcap(base.config))
 
     # --- navigation -------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -486,11 +514,11 @@ QWEN3 = ModelFamily(
 # query_pre_attn_scalar: none depends on the number of heads or channels, so the generic cut is exact.
 GEMMA2 = ModelFamily(
     "gemma2", Gemma2Config, Gemma2ForCausalLM, modeling.PrunedGemma2Config, modeling.PrunedGemma2ForCausalLM,
-    attn_bias="config", mlp_bias="none",
+    attn_bias="config", mlp_bias="none", final_logit_softcapping=True,
 )
 GEMMA3_TEXT = ModelFamily(
     "gemma3_text", Gemma3TextConfig, Gemma3ForCausalLM, modeling.PrunedGemma3TextConfig,
-    modeling.PrunedGemma3ForCausalLM, attn_bias="config", mlp_bias="none",
+    modeling.PrunedGemma3ForCausalLM, attn_bias="config", mlp_bias="none", final_logit_softcapping=True,
 )
 PHI3 = ModelFamily(
     "phi3", Phi3Config, Phi3ForCausalLM, modeling.PrunedPhi3Config, modeling.PrunedPhi3ForCausalLM,

@@ -13,12 +13,12 @@ from torch import nn
 from prunelight import checkpoint_state
 from prunelight.cut_state import CutState
 from prunelight import distributed
-from prunelight.distill import DistillationSettings, describe_teacher, hidden_mse, logit_distillation
+from prunelight.distill import DistillationSettings, chunked_losses, describe_teacher, hidden_mse, next_token_targets
 from prunelight.families import get_family, unwrap
 from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
-from prunelight import sources
+from prunelight import rng_state, sources
 from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
 from prunelight.surgery import apply_plan
 from prunelight.teacher import Teacher
@@ -76,8 +76,9 @@ class PruneLM(L.LightningModule):
         self.distillation = distillation
         # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
         self.dense_pretrained = sources.one_value(pretrained, gguf_file)
-        self.frozen_teacher = Teacher(DTYPES[dtype], attn_implementation, trust_remote_code)  # a plain object
-        self._rng_to_restore: dict | None = None
+        teacher_dtype = distillation.teacher_dtype(DTYPES[dtype]) if distillation else DTYPES[dtype]
+        self.frozen_teacher = Teacher(teacher_dtype, attn_implementation, trust_remote_code)  # a plain object
+        self._rng_to_restore: list[dict] | dict | None = None  # a checkpoint's per-rank states (rng_state)
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
 
@@ -192,7 +193,7 @@ class PruneLM(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self._rng_to_restore is not None:
             # Resumed run: continue the RNG streams (LoRA dropout) exactly where the checkpoint left them.
-            checkpoint_state.restore_rng_states(self._rng_to_restore)
+            rng_state.restore(self._rng_to_restore)
             self._rng_to_restore = None
         distill = self.distillation is not None and self.plan is not None  # the teacher exists only after the cut
         if distill:
@@ -210,17 +211,31 @@ class PruneLM(L.LightningModule):
     def _distillation_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """alpha * distill + (1 - alpha) * CE on one batch (prunelight.distill documents each term)."""
         d = self.distillation
-        out = self.model(input_ids=batch, labels=batch, use_cache=False, output_hidden_states=d.hidden)
+        # No labels: transformers would compute the CE on fp32 logits of the whole batch; chunked_losses does it
+        # in the distillation's chunks.
+        out = self.model(input_ids=batch, use_cache=False, output_hidden_states=d.hidden and d.uses_teacher)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])
+        targets = next_token_targets(batch) if d.uses_ce else None
+        t_hidden, head = self._teacher_hidden(batch) if d.uses_teacher else (None, None)
+        flat = None if t_hidden is None else t_hidden.reshape(-1, t_hidden.shape[-1])
+        distill, ce = chunked_losses(logits, targets, flat, head, d.loss, d.temperature, d.chunk_tokens)
+        if distill is not None and d.hidden:
+            distill = distill + hidden_mse(out.hidden_states[-1], t_hidden)
+        terms = {"train_ce": ce, "train_distill": distill}
+        self.log_dict({k: v.detach() for k, v in terms.items() if v is not None})
+        if distill is None:
+            return ce  # alpha 0
+        if ce is None:
+            return distill  # alpha 1
+        return d.alpha * distill + (1.0 - d.alpha) * ce
+
+    def _teacher_hidden(self, batch: torch.Tensor) -> tuple[torch.Tensor, nn.Module]:
+        """The teacher's last hidden state of `batch` (no gradients) and the head that turns it into its logits."""
         teacher = self.teacher()
         with torch.no_grad():
-            t_hidden = teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
-        logits = out.logits
-        term = logit_distillation(logits.reshape(-1, logits.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]),
-                                  teacher.get_output_embeddings(), d.loss, d.temperature, d.chunk_tokens)
-        if d.hidden:
-            term = term + hidden_mse(out.hidden_states[-1], t_hidden)
-        self.log_dict({"train_ce": out.loss.detach(), "train_distill": term.detach()})
-        return d.alpha * term + (1.0 - d.alpha) * out.loss
+            hidden = teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        # The head plus the family's logit transform (Gemma's soft-cap): the logits the teacher's forward returns.
+        return hidden, get_family(teacher).logits_head(teacher)
 
     # --- the teacher (distillation) -------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -232,8 +247,8 @@ class PruneLM(L.LightningModule):
 
     def snapshot_teacher(self) -> None:
         """Keep a frozen copy of the dense model as the teacher; called by the cut just before the surgery."""
-        if self.distillation is None or self.distillation.teacher:
-            return
+        if self.distillation is None or self.distillation.teacher or not self.distillation.uses_teacher:
+            return  # a named teacher is loaded from its folder; alpha 0 needs none
         if self._trainer is not None and distributed.needs_fresh_engine(self._trainer.strategy):
             return  # the engine's weights are partitioned; the fresh engine loads the teacher from `pretrained`
         self.frozen_teacher.snapshot(self.base_model, self.device)

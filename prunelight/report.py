@@ -113,7 +113,8 @@ def recovery_line(rec: dict) -> str:
     line = f"{rec.get('mode')}, {rec.get('steps')} steps"
     d = rec.get("distillation")
     if d:
-        line += (f"; distillation from {d['teacher']}: {d['alpha']} x {d['loss']} (T={d['temperature']}"
+        held = f" (held in {d['dtype']})" if d.get("dtype") else ""  # records before distillation.dtype lack it
+        line += (f"; distillation from {d['teacher']}{held}: {d['alpha']} x {d['loss']} (T={d['temperature']}"
                  f"{', + hidden-state MSE' if d.get('hidden') else ''}) + {1 - d['alpha']:.2g} x next-token CE")
     return line
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Teacher:
-    """The frozen teacher of one run, loaded as the student is (dtype, attention kernel, remote code)."""
+    """The frozen teacher of one run, held in `model.distillation.dtype`; loaded with the student's attention kernel."""
 
     def __init__(self, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool) -> None:
         self.dtype, self.attn_implementation, self.trust_remote_code = dtype, attn_implementation, trust_remote_code

@@ -12,11 +12,12 @@ from torch import nn
 
 from prunelight.callbacks import PruningCallback
 from prunelight.cli import cli_main
-from prunelight.distill import DistillationSettings, logit_distillation
+from prunelight.distill import DistillationSettings, chunked_losses, logit_distillation, next_token_targets
 from prunelight.module import PruneLM
 from prunelight.recovery import LoRASettings
 from prunelight.settings import PruneSettings, SettingsError
-from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, tiny_tokenizer, write_tiny_corpus
+from prunelight.testing import (make_tiny_checkpoint, tiny_config, tiny_fit_args, tiny_model, tiny_tokenizer,
+                                write_tiny_corpus)
 
 
 
@@ -62,6 +63,7 @@ def test_chunked_teacher_head_equals_the_full_logits():
     ("loss", "js", "model.distillation.loss='js' is not allowed: use one of kl, reverse_kl, mse_logits"),
     ("chunk_tokens", 0, "model.distillation.chunk_tokens=0 is not allowed"),
     ("teacher", "", "model.distillation.teacher='' is not allowed"),
+    ("dtype", "int8", "model.distillation.dtype='int8' is not allowed: use one of bfloat16, float16, float32, model"),
 ])
 def test_bad_settings_fail_with_one_line(field, value, match):
     with pytest.raises(SettingsError, match=match.replace("[", r"\[").replace("]", r"\]")):
@@ -86,15 +88,111 @@ def _dm(tmp_path):
     return dm
 
 
-def test_alpha_zero_is_plain_ce_and_a_twin_teacher_gives_zero_kl(tmp_path):
+def test_alpha_zero_is_plain_ce_and_never_runs_the_teacher(tmp_path, monkeypatch):
     module = _module(tmp_path, recovery="full", alpha=0.0)
     module.configure_model()
-    module.snapshot_teacher()  # before any change: the teacher is the student's twin
+    module.snapshot_teacher()
+    assert module.frozen_teacher.model is None, "alpha 0 keeps no copy of the dense model"
+    monkeypatch.setattr(PruneLM, "teacher", lambda self: pytest.fail("alpha 0 ran the teacher"))
     batch = torch.randint(3, 128, (2, 12))
     ce = module.model(input_ids=batch, labels=batch, use_cache=False).loss
     torch.testing.assert_close(module._distillation_loss(batch), ce, rtol=0, atol=1e-6)
-    module.distillation = DistillationSettings(alpha=1.0, loss="kl", temperature=2.0, hidden=True)
-    assert module._distillation_loss(batch).abs().item() < 1e-5
+
+
+def test_a_twin_teacher_gives_zero_kl_and_hidden_mse():
+    module = _twin("llama", alpha=1.0, loss="kl", temperature=2.0, hidden=True)
+    assert module._distillation_loss(torch.randint(3, 128, (2, 12))).abs().item() < 1e-6
+
+
+def _twin(family: str, **distill) -> PruneLM:
+    """A config-built module whose teacher is a snapshot of itself, its logits sharpened past Gemma 2's cap (3.0)."""
+    distill.setdefault("dtype", "float32")  # the student's dtype: the twin's logits are the student's exactly
+    module = PruneLM(config=tiny_config(family).to_dict(), recovery="full", attn_implementation="eager",
+                     distillation=DistillationSettings(**distill))
+    torch.manual_seed(0)
+    module.configure_model()
+    with torch.no_grad():
+        module.base_model.get_output_embeddings().weight.mul_(8)
+    module.snapshot_teacher()
+    return module
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_a_model_distilled_against_itself_gives_zero_kl(family, chunk):
+    """The teacher's logits get the family's transform (Gemma 2's final soft-cap), as the student's forward does."""
+    module = _twin(family, alpha=1.0, loss="kl", chunk_tokens=chunk)
+    batch = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert module._distillation_loss(batch).abs().item() < 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("chunk", [None, 5, 7])
+def test_chunked_ce_equals_the_models_own_loss(family, chunk):
+    """The CE term, in chunks (checkpointed when they train), is transformers' labels= loss, gradients included."""
+    model = tiny_model(family)
+    ids = torch.randint(3, 128, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=ids).loss
+        logits = model(input_ids=ids).logits
+    leaf = logits.reshape(-1, logits.shape[-1]).clone().requires_grad_(True)
+    distill, ce = chunked_losses(leaf, next_token_targets(ids), None, None, chunk_tokens=chunk)
+    assert distill is None
+    torch.testing.assert_close(ce, own, rtol=0, atol=1e-5)
+    ref = F.cross_entropy(leaf.view(3, 11, -1)[:, :-1].reshape(-1, leaf.shape[-1]), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(torch.autograd.grad(ce, leaf)[0], torch.autograd.grad(ref, leaf)[0],
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_mixed_loss_equals_an_independent_computation(chunk):
+    """alpha * KL(teacher forward's logits || student's) + (1 - alpha) * the model's own CE, on Gemma 2."""
+    module = _twin("gemma2", alpha=0.3, loss="kl", temperature=2.0, chunk_tokens=chunk)
+    with torch.no_grad():  # the student drifts from its teacher, so the KL is not 0
+        module.base_model.get_output_embeddings().weight.add_(torch.randn(128, 64) * 0.5)
+    module.model.eval()
+    batch = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = module.model(input_ids=batch, labels=batch)
+        t_logits = module.teacher()(input_ids=batch).logits
+        kl = _reference(out.logits.reshape(-1, 128), t_logits.reshape(-1, 128), "kl", 2.0)
+        ours = module._distillation_loss(batch)
+    assert kl > 1e-3
+    torch.testing.assert_close(ours, 0.3 * kl + 0.7 * out.loss, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_the_student_forward_gets_no_labels_and_alpha_one_computes_no_ce(alpha, monkeypatch):
+    module = _twin("llama", alpha=alpha)
+    calls = []
+    module.model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    ce_calls = []
+    real_ce = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: ce_calls.append(1) or real_ce(*a, **k))
+    module._distillation_loss(torch.randint(3, 128, (2, 12)))
+    assert len(calls) == 1 and calls[0].get("labels") is None, "transformers would compute a whole-batch CE"
+    assert bool(ce_calls) == (alpha < 1), "alpha 1 is distillation only: no CE is computed"
+
+
+@pytest.mark.parametrize("dtype,want", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                        ("float32", torch.float32), ("model", torch.float32)])
+def test_the_teacher_is_held_in_the_configured_dtype(tmp_path, dtype, want):
+    """Snapshotted before the cut or reloaded from its folder (a resume), the teacher is in distillation.dtype."""
+    module = _module(tmp_path, recovery="full", alpha=0.5, dtype=dtype)  # the student: model.dtype float32
+    module.configure_model()
+    module.snapshot_teacher()
+    assert {p.dtype for p in module.frozen_teacher.model.parameters()} == {want}
+    assert {p.dtype for p in module.model.parameters()} == {torch.float32}, "the student keeps its dtype"
+    reloaded = _module(tmp_path, recovery="full", alpha=0.5, dtype=dtype)
+    reloaded.configure_model()
+    assert {p.dtype for p in reloaded.teacher().parameters()} == {want}
+    assert torch.isfinite(reloaded._distillation_loss(torch.randint(3, 128, (2, 12))))
+
+
+def test_a_bad_teacher_dtype_names_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"model\.distillation\.dtype='fp8' is not allowed: use one of bfloat16, "
+                                         r"float16, float32, model"):
+        DistillationSettings(dtype="fp8")
 
 
 @pytest.mark.parametrize("recovery", ["lora", "full"])
@@ -114,7 +212,8 @@ def test_teacher_is_frozen_outside_the_optimizer_and_the_checkpoint(tmp_path, re
     assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
     assert {k: v for k, v in teacher.state_dict().items()}.keys() == dense.keys()
     for k, v in teacher.state_dict().items():
-        assert torch.equal(v, dense[k]), f"the teacher must stay the dense model ({k} changed)"
+        assert v.dtype == torch.bfloat16, "distillation.dtype's default"
+        assert torch.equal(v, dense[k].to(v.dtype)), f"the teacher must stay the dense model ({k} changed)"
     in_opt = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
     assert not in_opt & {id(p) for p in teacher.parameters()}
     assert not any("teacher" in n for n, _ in module.named_parameters())

@@ -12,6 +12,7 @@ from prunelight.families import MODEL_FAMILIES, get_family
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.recovery import LoRASettings, add_lora
 from prunelight.surgery import apply_plan, mask_units
+from prunelight.testing import VARIANTS as TINY_VARIANTS
 from prunelight.testing import tiny_model
 
 BIASED_LLAMA = dict(attention_bias=True, mlp_bias=True)
@@ -110,3 +111,18 @@ def test_lora_targets_default_to_the_family():
     peft_model = add_lora(tiny_model("qwen2"), settings)
     adapted = {n.split(".")[-4] for n, _ in peft_model.named_parameters() if "lora_A" in n}
     assert adapted == set(get_family(peft_model).lora_targets)
+
+
+@pytest.mark.parametrize("name", list(TINY_VARIANTS))
+def test_logits_head_gives_the_forward_logits(name):
+    """The family's head on the decoder's output is the forward's logits; Gemma 2's soft-cap included."""
+    family, overrides = TINY_VARIANTS[name]
+    model = tiny_model(family, **overrides)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)  # logits past the tiny Gemma 2's cap (3.0), so the cap bends them
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        logits = model(input_ids=ids).logits
+        torch.testing.assert_close(get_family(model).logits_head(model)(hidden), logits, rtol=0, atol=0)
+        if get_family(model).logit_softcap(model.config) is not None:  # the bare LM head is not the logits there
+            assert (model.get_output_embeddings()(hidden) - logits).abs().max() > 0.1

@@ -147,7 +147,7 @@ def test_module_loads_gguf_and_the_teacher_reloads_from_it(tiny_gguf):
 
     path, _ = tiny_gguf
     lm = PruneLM(pretrained=str(path.parent), gguf_file=path.name, attn_implementation="eager",
-                 distillation=DistillationSettings())
+                 distillation=DistillationSettings(dtype="model"))  # the student's dtype: logits compare exactly
     assert lm.dense_pretrained == str(path)
     lm.configure_model()
     assert lm.record.source["format"] == "gguf" and lm.record.source["quantization"] == "Q8_0"
