@@ -7,6 +7,12 @@ from pathlib import Path
 from prunelight.atomic import atomic_write_json, atomic_write_text
 
 
+def _acc(row: dict, metric: str) -> str:
+    """An accuracy cell, with its standard error where the record has one (acc only)."""
+    err = row.get("acc_stderr") if metric == "acc" else None
+    return _fmt(row.get(metric), 4) + (f" ± {err:.4f}" if err is not None else "")
+
+
 def _fmt(x, nd: int = 2) -> str:
     if x is None:
         return "n/a"
@@ -67,9 +73,9 @@ def _evaluation_sections(ev: dict) -> list[str]:
             for metric in ("acc", "acc_norm"):
                 if metric in row:
                     lines.append(f"| {task} | {metric} | {row.get('samples')} | {row.get('version')} | "
-                                 + " | ".join(_fmt(z['tasks'][task].get(metric), 4) for z in zs.values()) + " |")
+                                 + " | ".join(_acc(z['tasks'][task], metric) for z in zs.values()) + " |")
         for key, label in (("acc", "average acc"), ("acc_norm_else_acc", "average (acc_norm where defined)")):
-            lines.append(f"| **{label}** | | | | " + " | ".join(_fmt(z['average'][key], 4) for z in zs.values()) + " |")
+            lines.append(f"| **{label}** | | | | " + " | ".join(_acc(z['average'], key) for z in zs.values()) + " |")
     eff = {m: ev[m]["efficiency"] for m in names if "efficiency" in ev[m]}
     if eff:
         sp = next(iter(eff.values()))["speed"]

@@ -76,6 +76,8 @@ def test_fit_reports_dense_pruned_recovered_with_figures(tmp_path):
     assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no temp files left behind
     md = (run / "report.md").read_text()
     assert "## Zero-shot accuracy" in md and "4096 -> 256" in md and "![kept_units](kept_units.png)" in md
+    dense_zs = ev["dense"]["zeroshot"]["tasks"]["arc_easy"]
+    assert f"{dense_zs['acc']:.4f} ± {dense_zs['acc_stderr']:.4f}" in md  # accuracies carry their standard error
     assert "OVERLAP" not in md and rep["overlap"]["flagged"] is False
 
     # `prunelight evaluate --run` re-measures the finished run's model (and the dense one it came from).
