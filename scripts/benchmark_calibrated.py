@@ -24,7 +24,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-SHARED = Path(os.environ.get("PRUNELIGHT_SHARED", Path(__file__).resolve().parents[1] / ".." / "shared"))
+from prunelight.testing import shared_dir  # noqa: E402  ($PRUNELIGHT_SHARED, else ../shared)
+
+SHARED = shared_dir() or Path(__file__).resolve().parents[2] / "shared"
 
 
 def main(argv: list[str] | None = None) -> None:

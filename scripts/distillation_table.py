@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prunelight.testing import shared_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {  # name -> command-line options of the recovery
     "pruned": ["--model.recovery=none"],
@@ -32,7 +34,8 @@ SETTINGS = {  # name -> command-line options of the recovery
     "kl_a0.5_T2": ["--model.distillation.alpha=0.5", "--model.distillation.temperature=2.0"],
     "kl_a1.0_T1": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0"],
 }
-SHARED = Path(os.environ.get("PRUNELIGHT_SHARED", ROOT.parent / "shared"))
+# $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
+SHARED = shared_dir() or ROOT.parent / "shared"
 SUITE = """evaluation:
   ppl_datasets:
     wikitext2: {{path: {shared}/data/wikitext2/test.txt}}
