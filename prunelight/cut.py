@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, Shape, precheck
+from prunelight.allocation import Budget, Shape, allocation_of, precheck
 from prunelight.importance import UnitScores
 from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan
 from prunelight.plan import PrunePlan
@@ -179,8 +179,12 @@ def write_saved(out: Path, result: CutResult, model: nn.Module, settings: PruneS
 
 
 def _repair_reads(settings: PruneSettings, batches) -> str:
-    """What the cut still reads from the calibration batches (the repair only, forward)."""
-    if settings.reconstruct == "none":
-        return "no calibration batches are read"
-    n = len(list(batches)[: settings.max_calibration_batches])
-    return f"reconstruction ({settings.reconstruct}) reads {n} calibration batches, forward only"
+    """What the cut still reads from the calibration batches (probe removals, the repair; forward only)."""
+    reads = []
+    if allocation_of(settings.allocation).probes and not settings.plan:
+        n = len(list(batches)[: settings.importance_batches or settings.max_calibration_batches])
+        reads.append(f"allocation {settings.allocation} probes on {n} calibration batches")
+    if settings.reconstruct != "none":
+        n = len(list(batches)[: settings.max_calibration_batches])
+        reads.append(f"reconstruction ({settings.reconstruct}) reads {n} calibration batches")
+    return ", ".join(reads) + ", forward only" if reads else "no calibration batches are read"

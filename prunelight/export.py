@@ -59,7 +59,8 @@ NAS_ARCHITECTURE = "DeciLMForCausalLM"
 def _config_dict(base: nn.Module, family) -> dict:
     data = base.config.to_dict()
     data["head_dim"] = family.head_dim(base.config)
-    for key in ("layer_shapes", "auto_map", "model_type", "architectures", "transformers_version"):
+    # Per-layer shape fields are restated from the layers (a model loaded from a served folder has block_configs).
+    for key in ("layer_shapes", "block_configs", "auto_map", "model_type", "architectures", "transformers_version"):
         data.pop(key, None)
     return data
 

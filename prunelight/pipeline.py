@@ -68,18 +68,19 @@ def make_plan(
         scores, measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum, sharded)
     layer_scores = measured.get(settings.layer_importance) if row.layer_importance else None
 
+    probes = None
+    if row.probes:  # saved or handed-in scores (prune.scores, a benchmark's) still leave the batches to probe on
+        probes = _probes(model, budget, scores, imp_batches or _importance_batches(batches, settings), reduce_sum)
     search = None
     share = settings.attn_share
     groups_removed = groups_kept = None
+    extras = dict(layer_scores=layer_scores, probes=probes)
     if settings.attn_mlp_split == "auto" and shape is Shape.SERVED:
-        groups_kept, search = _search_served(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+        groups_kept, search = _search_served(model, budget, scores, settings, extras, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
-        groups_removed, search = _search_stock(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
+        groups_removed, search = _search_stock(model, budget, scores, settings, extras, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto":
-        share, search = _search_share(model, budget, scores, settings, layer_scores, imp_batches, reduce_sum)
-    probes = None
-    if row.probes:  # measured scores handed in (a benchmark's measured_scores) still leave the batches to probe on
-        probes = _probes(model, budget, scores, imp_batches or _importance_batches(batches, settings), reduce_sum)
+        share, search = _search_share(model, budget, scores, settings, extras, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
                     shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, probes=probes)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
@@ -169,9 +170,17 @@ def _probes(model: nn.Module, budget: Budget, scores: UnitScores, batches: list[
         raise ValueError("allocation 'calibrated' needs calibration batches to measure its probe removals")
     probes = measure_probes(model, batches, scores, budget)
     if reduce_sum is not None:
+        # Every rank must shrink and rescale the same numbers: losses are averaged, and so are the squared standard
+        # errors, divided by the number of ranks (the mean over W equal shards has 1/W of one shard's variance).
+        world = float(reduce_sum(torch.ones(1, dtype=torch.float64))[0])
+        probes.base_nll = mean_over_ranks([probes.base_nll], reduce_sum)[0]
         for kind, values in probes.loss.items():
             mean = mean_over_ranks([0.0 if v is None else v for v in values], reduce_sum)
             probes.loss[kind] = [None if v is None else m for v, m in zip(values, mean)]
+            if probes.stderr is not None:
+                se = probes.stderr[kind]
+                var = mean_over_ranks([0.0 if v is None else v * v for v in se], reduce_sum)
+                probes.stderr[kind] = [None if v is None else (w / world) ** 0.5 for v, w in zip(se, var)]
     return probes
 
 
@@ -186,8 +195,9 @@ def _refuse_on_partitioned(settings: PruneSettings) -> None:
         ) if bad
     ]
     if unsupported:
+        hint = " (prune.allocation: global needs no masked forwards)" if row.probes else ""
         raise ValueError(f"not available with ZeRO-3 partitioned weights: {', '.join(unsupported)}; "
-                         "use DeepSpeed stage 2 or DDP for these options")
+                         f"use DeepSpeed stage 2 or DDP for these options{hint}")
 
 
 def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor],
@@ -199,14 +209,16 @@ def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.T
 
 
 def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                  layer_scores, batches, reduce_sum) -> tuple[int, dict]:
-    """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest."""
-    first = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.UNIFORM)
+                  extras: dict, batches, reduce_sum) -> tuple[int, dict]:
+    """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest.
+
+    `extras`: what `allocate` needs beyond the scores (layer_scores, probes), the same for every try."""
+    first = allocate(budget, scores, settings, shape=Shape.UNIFORM, **extras)
     cands = first.meta["stock_shapes"]["candidates"]
     tried = []
     for cand in progress(cands, desc="uniform shape search", unit="shape"):
         k = cand["groups_removed_per_layer"]
-        plan = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.UNIFORM, groups_removed=k)
+        plan = allocate(budget, scores, settings, shape=Shape.UNIFORM, groups_removed=k, **extras)
         tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
     best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
     return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,
@@ -214,13 +226,12 @@ def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings
 
 
 def _search_served(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                   layer_scores, batches, reduce_sum) -> tuple[int, dict]:
+                   extras: dict, batches, reduce_sum) -> tuple[int, dict]:
     """Measure the best served layout of each kept group count on calibration NLL (masked); the count of the lowest."""
-    first = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.SERVED)
+    first = allocate(budget, scores, settings, shape=Shape.SERVED, **extras)
     tried = []
     for cand in progress(first.meta["served_shapes"]["candidates"], desc="served layout search", unit="layout"):
-        plan = allocate(budget, scores, settings, layer_scores=layer_scores, shape=Shape.SERVED,
-                        groups_kept=cand["groups_kept"])
+        plan = allocate(budget, scores, settings, shape=Shape.SERVED, groups_kept=cand["groups_kept"], **extras)
         tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
     best = min(tried, key=lambda c: (c["calibration_nll"], -c["groups_kept"]))
     return best["groups_kept"], {"served_layout": True, "by": "calibration_nll", "tried": tried,
@@ -228,16 +239,16 @@ def _search_served(model: nn.Module, budget: Budget, scores: UnitScores, setting
 
 
 def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                  layer_scores, batches, reduce_sum) -> tuple[float, dict]:
+                  extras: dict, batches, reduce_sum) -> tuple[float, dict]:
     """Find the attention share of the budget with the lowest calibration NLL."""
-    start_plan = allocate(budget, scores, settings, layer_scores=layer_scores)
+    start_plan = allocate(budget, scores, settings, **extras)
     start = float(start_plan.meta["attn_share_removed"])
     low = max(0.0, (budget.target - budget.removable("mlp")) / budget.target)
     high = min(1.0, budget.removable("attn") / budget.target)
     bar = progress(None, desc="split search", unit="try")
 
     def score(share: float) -> float:
-        plan = allocate(budget, scores, settings, layer_scores=layer_scores, attn_share=share)
+        plan = allocate(budget, scores, settings, attn_share=share, **extras)
         value = calibration_nll(model, plan, batches, reduce_sum)
         bar.update(1)
         bar.set_postfix(attn_share=f"{share:.3f}", nll=f"{value:.4f}")

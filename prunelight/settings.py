@@ -125,9 +125,10 @@ class PruneSettings:
     fluctuation metric, was the most robust on both reference models (README, "Choosing the default")."""
     criterion_args: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of the criterion (e.g. {p: 1} for magnitude, {seed: 1} for random)."""
-    allocation: AllocationName = "global"
-    """How the budget is spread over layers: global, uniform, layerwise, blockwise, depth or calibrated (scores
-    rescaled per sub-block by the measured calibration loss of a probe removal; docs/methods.md)."""
+    allocation: AllocationName = "calibrated"
+    """How the budget is spread over layers: calibrated (global on scores put on one scale, the calibration loss,
+    by measuring one probe removal per sub-block: the most robust on the real model, docs/methods.md), global
+    (one knapsack on the raw scores), uniform, layerwise, blockwise or depth."""
     attn_mlp_split: str | None = None
     """Share of the budget taken from attention vs MLP, "x:y" (e.g. "1:3"), "auto" (searched), or null (free)."""
     prune_step: int = 0
@@ -212,9 +213,6 @@ class PruneSettings:
         _choice("prune.block_importance", self.block_importance, BLOCK_IMPORTANCE)
         _number("prune.calibrated_reach", self.calibrated_reach, 1.0, math.inf, False, True)
         self.calibrated_reach = float(self.calibrated_reach)
-        if row.probes and self.scores is not None:
-            raise _bad("prune.allocation", self.allocation, "with prune.scores there is no calibration pass to "
-                       "measure its probe removals on; use allocation global, or score again")
         if isinstance(self.layerwise, dict):
             self.layerwise = LayerRates(**self.layerwise)
         if isinstance(self.split_search, dict):

@@ -160,9 +160,13 @@ def tiny_fit_args(ckpt, files: dict, *extra: str) -> list[str]:
 
 
 def settings_of(ratio: float = 0.2, **options):
-    """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`)."""
+    """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`).
+
+    The allocation is `global` unless given: allocation tests hand `allocate` scores directly, with no probes for
+    the default (calibrated) to rescale them by."""
     from prunelight.settings import LayerRates, PruneSettings
 
+    options.setdefault("allocation", "global")
     rates = {k: options.pop(k) for k in LAYER_RATE_OPTIONS if k in options}
     return PruneSettings(ratio=ratio, layerwise=LayerRates(**rates), **options)
 

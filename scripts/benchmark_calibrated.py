@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--probe-samples", type=int, default=8)
     ap.add_argument("--eval-chars", type=int, default=60000)
+    ap.add_argument("--measure-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="scoring and probes run on a copy in this dtype (a bf16 GPU run's plan); the cut, the refit "
+                         "and the evaluation stay float32")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -75,9 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     dense = evaluate_perplexity(model, evals)
     emit({"model": args.model, "method": "dense", "ppl": dense["ppl"], "tokens": dense["tokens"],
           "bos_per_window": bool(prefix)})
+    measure = model if args.measure_dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.measure_dtype))
     for criterion in args.criteria:
         crit = build_criterion(criterion)
-        scores = run_calibration(model, calib if crit.needs_data else [], crit)
+        scores = run_calibration(measure, calib if crit.needs_data else [], crit)
+        scores = {k: [t.float() for t in v] for k, v in scores.items()}
         for ratio in args.ratios:
             for allocation in args.allocations:
                 t0 = time.perf_counter()
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                 budget = precheck(model, settings)
                 probes = None
                 if allocation_of(allocation).probes:  # the row asks for probe removals
-                    probes = measure_probes(model, [torch.cat(calib)[: args.probe_samples]], scores, budget)
+                    probes = measure_probes(measure, [torch.cat(calib)[: args.probe_samples]], scores, budget)
                 plan = allocate(budget, scores, settings, probes=probes)
                 pruned = copy.deepcopy(model)
                 cut_and_reconstruct(pruned, plan, calib, settings)
@@ -95,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                       "reconstruct": args.reconstruct, "ppl": res["ppl"], "x_dense": res["ppl"] / dense["ppl"],
                       "groups_removed": plan.meta["groups_removed"], "channels_removed": plan.meta["channels_removed"],
                       "kept": [[len(lp.keep_groups), len(lp.keep_channels)] for lp in plan.layers],
+                      "measure_dtype": args.measure_dtype,
+                      **({"probe_loss": probes.loss, "probe_stderr": probes.stderr} if probes is not None else {}),
                       "seconds": time.perf_counter() - t0})
                 del pruned
 

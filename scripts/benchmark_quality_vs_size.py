@@ -125,7 +125,14 @@ def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], 
 # --------------------------------------------------------------------------------------------- the grid
 # `--grid CRITERIA:ALLOCATIONS:RATIOS` (each a comma list or "all"): every criterion x allocation x ratio, one
 # row each, labelled "<criterion> / <allocation>", cut with --reconstruct (the run's default: least_squares).
-DEFAULT_GRID_LABEL = "flap / global"
+def _default_grid_label() -> str:
+    from prunelight.settings import PruneSettings  # the defaults have one owner: the settings dataclass
+
+    d = PruneSettings()
+    return f"{d.criterion} / {d.allocation}"
+
+
+DEFAULT_GRID_LABEL = _default_grid_label()
 
 
 def grid_label(criterion: str, allocation: str, reconstruct: str = "least_squares") -> str:
@@ -457,7 +464,7 @@ def markdown_grid(meta: dict, rows: list[dict]) -> str:
         f"{meta['query_heads']} query / {meta['kv_heads']} KV heads), {meta['date']}, {meta['threads']} thread(s), "
         f"torch {meta['torch']}. No recovery; calibration {meta['calibration']}; grid rows are "
         f"`<criterion> / <allocation>` with reconstruction `{meta.get('grid', {}).get('reconstruct', '?')}` "
-        "(the run's default); `flap / global` is the default.",
+        f"(the run's default); `{DEFAULT_GRID_LABEL}` is the default.",
         "",
         f"- the run's own protocol: {meta['eval_name']}, lines joined by newlines, non-overlapping windows as the run "
         f"makes them, {meta['eval_tokens']:,} scored tokens; dense **{dense:.2f}**.",

@@ -12,6 +12,7 @@ PTB test at 128 and 512 tokens, on the first `--windows` windows of each (null: 
     OMP_NUM_THREADS=1 python scripts/distillation_table.py --job smollm2 --out /tmp/distill-smollm2 --steps 200 \
         --windows 32 --zeroshot-limit 100
     python scripts/distillation_table.py --out /tmp/distill-runs --table-only
+    (--only kl_a0.5_T2 redoes one run and keeps the others' results in --out)
 """
 
 from __future__ import annotations
@@ -130,8 +131,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--windows", default="null", help="windows per dataset and length (null: all)")
     ap.add_argument("--zeroshot-limit", default="null", help="rows per zero-shot set (null: all; smollm2 job only)")
+    ap.add_argument("--only", default=None, help=f"comma list of the runs to (re)do, of {', '.join(SETTINGS)}")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
+    names = list(SETTINGS) if args.only is None else [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        sys.exit(f"--only {args.only!r}: unknown {unknown}; use some of {', '.join(SETTINGS)}")
     job = JOBS[args.job]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
@@ -141,12 +147,12 @@ def main() -> None:
         (args.out / "suite.yaml").write_text(SUITE.format(
             shared=SHARED, windows=args.windows, seq_lens=job.seq_lens, zeroshot=str(job.zeroshot).lower(),
             limit=args.zeroshot_limit))
-        with ThreadPoolExecutor(len(SETTINGS) + 1) as pool:
-            dense = pool.submit(evaluate, "dense", job.dense, args.out)
-            codes = dict(zip(SETTINGS, pool.map(lambda n: fit(job, n, args.out, args.steps), SETTINGS)))
+        with ThreadPoolExecutor(len(names) + 1) as pool:
+            dense = pool.submit(evaluate, "dense", job.dense, args.out) if args.only is None else None
+            codes = dict(zip(names, pool.map(lambda n: fit(job, n, args.out, args.steps), names)))
             print("fit exit codes:", codes, flush=True)
-            codes = dict(zip(SETTINGS, pool.map(lambda n: evaluate(n, args.out / n / "model", args.out), SETTINGS)))
-            print("evaluate exit codes:", codes, "dense:", dense.result(), flush=True)
+            codes = dict(zip(names, pool.map(lambda n: evaluate(n, args.out / n / "model", args.out), names)))
+            print("evaluate exit codes:", codes, "dense:", dense.result() if dense else "kept", flush=True)
     print(table(args.out))
 
 

@@ -40,7 +40,7 @@ def test_readme_snippet_prunes_and_applies_the_plan_to_a_sibling(tmp_path):
 def test_prune_without_repair_equals_masking(tmp_path):
     model, ref = tiny_model(), tiny_model()
     model, plan = prunelight.prune(model, prunelight.PruneSettings(ratio=0.25, criterion="magnitude",
-                                                                   reconstruct="none"), None)
+                                                                   allocation="global", reconstruct="none"), None)
     mask_units(ref, plan)
     x = _calibration(2)
     with torch.no_grad():
@@ -52,14 +52,22 @@ def test_prune_from_saved_scores_equals_scoring_and_refuses_other_weights(tmp_pa
     from prunelight.pipeline import make_plan
 
     model = tiny_model()
-    s = prunelight.PruneSettings(ratio=0.2, reconstruct="none")
-    plan0, scores = make_plan(model, prunelight.api.as_batches(_calibration()), s)
-    options = {"ratio": 0.2, "reconstruct": "none", "scores": str(tmp_path / "scores.pt")}
+    batches = prunelight.api.as_batches(_calibration())
+    s = prunelight.PruneSettings(ratio=0.2, reconstruct="none", allocation="global")
+    plan0, scores = make_plan(model, batches, s)
+    options = {"ratio": 0.2, "reconstruct": "none", "allocation": "global", "scores": str(tmp_path / "scores.pt")}
     save_scores(tmp_path / "scores.pt", scores, scores_key(model, s, calibration_identity(settings=s)))
-    _, plan = prunelight.prune(tiny_model(), options)
+    _, plan = prunelight.prune(tiny_model(), options)  # global: no calibration text needed at all
     assert plan.to_dict()["layers"] == plan0.to_dict()["layers"]
     with pytest.raises(ValueError, match="the weights differ"):
         prunelight.prune(tiny_model(seed=2), options)
+    # the default (calibrated) re-allocates the same saved scores with its probes on the calibration text given
+    calibrated = {**options, "allocation": "calibrated"}
+    direct, _ = make_plan(tiny_model(), batches, prunelight.PruneSettings(**{**calibrated, "scores": None}))
+    _, plan = prunelight.prune(tiny_model(), calibrated, _calibration())
+    assert plan.to_dict()["layers"] == direct.to_dict()["layers"] and "probes" in plan.meta
+    with pytest.raises(ValueError, match="measures probe removals on calibration text"):
+        prunelight.prune(tiny_model(), calibrated)
 
 
 def test_bad_calls_say_what_is_missing():

@@ -112,14 +112,13 @@ def test_a_probe_that_lowers_the_loss_does_not_erase_the_order():
         assert got == list(range(len(got))), "inside a sub-block the lowest scores go first"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(allocation="calibrated", calibrated_reach=0.5), "calibrated_reach"),
-    (dict(allocation="calibrated", scores="x.pt"), "no calibration pass"),
-    (dict(allocation="calibrated", attn_mlp_split="1:3"), "attn_mlp_split"),
-])
-def test_bad_calibrated_settings_fail_when_constructed(kwargs, match):
-    with pytest.raises(SettingsError, match=match):
-        PruneSettings(**kwargs)
+def test_bad_calibrated_settings_fail_when_constructed():
+    with pytest.raises(SettingsError, match="calibrated_reach"):
+        PruneSettings(allocation="calibrated", calibrated_reach=0.5)
+
+
+def test_calibrated_is_the_default_allocation():
+    assert PruneSettings().allocation == "calibrated"
 
 
 def test_prune_only_run_with_calibrated_allocation(tmp_path, monkeypatch):
@@ -141,17 +140,118 @@ def test_prune_only_run_with_calibrated_allocation(tmp_path, monkeypatch):
 
 
 def test_the_registry_row_states_what_calibrated_needs_and_honours():
-    """One row: probes measured by the cut's scoring pass, Shape.FREE only, no split, no KV target."""
+    """One row: probes measured by the cut's scoring pass, scores rescaled once, every shape, split, KV target."""
     from prunelight.allocation import Shape, allocation_of, check_shape
 
     row = allocation_of("calibrated")
-    assert row.probes and not row.layer_importance and not row.splits and not row.kv_target
-    assert set(row.by_shape) == {Shape.FREE}
-    for shape, fmt in ((Shape.UNIFORM, "stock"), (Shape.SERVED, "nemotron_nas")):
-        with pytest.raises(ValueError, match=f"prune.allocation='calibrated' is not allowed with export.format={fmt}"):
-            check_shape(PruneSettings(allocation="calibrated"), shape)
-    with pytest.raises(SettingsError, match="KV-cache target"):
-        PruneSettings(allocation="calibrated", target_kv_cache="1KiB@bf16")
+    assert row.probes and row.rescale is not None and not row.layer_importance and row.splits and row.kv_target
+    assert set(row.by_shape) == {Shape.FREE, Shape.UNIFORM, Shape.SERVED}
+    for shape in Shape:
+        check_shape(PruneSettings(allocation="calibrated"), shape)  # no refusal
+    PruneSettings(allocation="calibrated", target_kv_cache="1KiB@bf16", attn_mlp_split=None)
+    PruneSettings(allocation="calibrated", scores="x.pt")  # probes run on the batches a run still reads
+
+
+def _probes_favouring(budget, scores, costly_attn_layer=None, attn=0.05, mlp=0.05):
+    """Probes as if measured: every attention probe costs `attn`, every MLP probe `mlp`, one layer's attention 100x."""
+    slices = probe_slices(scores, budget)
+    loss = {"attn": [attn] * budget.num_layers, "mlp": [mlp] * budget.num_layers}
+    if costly_attn_layer is not None:
+        loss["attn"][costly_attn_layer] = 100 * attn
+    return Probes(0.0, loss, slices, tokens=1, stderr={k: [0.0] * budget.num_layers for k in loss})
+
+
+def _flat_scores(budget):
+    return {"attn": [torch.arange(n, dtype=torch.float) + 1 for n in budget.n_groups],
+            "mlp": [torch.arange(n, dtype=torch.float) + 1 for n in budget.n_chans]}
+
+
+def test_a_fixed_split_gives_each_kind_its_share_on_the_loss_scale():
+    """attn_mlp_split 1:3 with calibrated: attention gives about its quarter, where its probes cost least."""
+    from prunelight.allocation import allocate
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    settings = PruneSettings(ratio=0.3, allocation="calibrated", attn_mlp_split="1:3")
+    budget = make_budget(model, settings)
+    scores = _flat_scores(budget)
+    plan = allocate(budget, scores, settings, probes=_probes_favouring(budget, scores, costly_attn_layer=1))
+    removed = plan.meta["params_removed"]
+    assert budget.target <= removed < budget.target + budget.c_cost
+    attn = sum(budget.n_groups[i] - len(lp.keep_groups) for i, lp in enumerate(plan.layers)) * budget.g_cost
+    assert abs(attn - 0.25 * budget.target) <= budget.g_cost / 2 + 1, "attention's share to the nearest group"
+    assert len(plan.layers[1].keep_groups) == budget.n_groups[1], "the layer whose attention probe cost 100x keeps it"
+    assert "probes" in plan.meta
+
+
+def test_under_a_stock_layout_the_uniform_shape_of_least_predicted_loss_is_chosen():
+    """export.format stock: global's uniform-shape search on calibrated costs; costly attention -> MLP only."""
+    from prunelight.allocation import Shape, allocate
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    settings = PruneSettings(ratio=0.2, allocation="calibrated")
+    budget = make_budget(model, settings)
+    scores = _flat_scores(budget)
+    costly = allocate(budget, scores, settings, shape=Shape.UNIFORM,
+                      probes=_probes_favouring(budget, scores, attn=5.0, mlp=0.01))
+    cheap = allocate(budget, scores, settings, shape=Shape.UNIFORM,
+                     probes=_probes_favouring(budget, scores, attn=1e-4, mlp=5.0))
+    for plan in (costly, cheap):
+        assert len({len(lp.keep_groups) for lp in plan.layers}) == 1
+        assert len({len(lp.keep_channels) for lp in plan.layers}) == 1
+        assert plan.meta["uniform_shape"] and "probes" in plan.meta
+    assert costly.meta["stock_shapes"]["chosen"] == 0, "attention costs 500x the MLP per probe: MLP-only shape"
+    assert cheap.meta["stock_shapes"]["chosen"] > 0, "attention nearly free: groups go"
+
+
+def test_a_kv_cache_target_takes_the_groups_of_lowest_calibrated_cost():
+    from prunelight.allocation import allocate
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    settings = PruneSettings(allocation="calibrated", target_kv_cache="640B@fp32")
+    budget = make_budget(model, settings)
+    assert budget.kv_groups > 0
+    scores = _flat_scores(budget)
+    # raw scores favour layer 0's groups (scaled down 100x); its probe says they are the costliest
+    scores["attn"][0] = scores["attn"][0] / 100
+    plan = allocate(budget, scores, settings, probes=_probes_favouring(budget, scores, costly_attn_layer=0))
+    gone = [budget.n_groups[i] - len(lp.keep_groups) for i, lp in enumerate(plan.layers)]
+    assert sum(gone) == budget.kv_groups and gone[0] == 0
+    glob = allocate(budget, scores, PruneSettings(allocation="global", target_kv_cache="640B@fp32"))
+    assert len(glob.layers[0].keep_groups) < budget.n_groups[0], "global follows the raw scores into layer 0"
+
+
+def test_the_split_search_and_saved_scores_work_with_calibrated(setup, tmp_path):
+    """attn_mlp_split auto tries shares of the calibrated allocation; saved scores are re-allocated with probes."""
+    from prunelight.cut import run_cut
+    from prunelight.saved import save_scores, scores_key
+
+    model, batches, scores = setup
+    auto = PruneSettings(ratio=0.3, allocation="calibrated", attn_mlp_split="auto", reconstruct="none")
+    plan, _ = make_plan(model, batches, auto)
+    assert plan.meta["split_search"]["tried"] and "probes" in plan.meta
+    settings = PruneSettings(ratio=0.3, allocation="calibrated", reconstruct="none")
+    direct, _ = make_plan(model, batches, settings)
+    path = tmp_path / "scores.pt"
+    save_scores(path, scores, scores_key(model, settings, {}))
+    again = run_cut(copy.deepcopy(model), batches, PruneSettings(**{**settings.as_dict(), "scores": str(path)}),
+                    surgery=False).plan
+    assert again.meta["probes"]["loss"] == direct.meta["probes"]["loss"]
+    assert again.to_dict()["layers"] == direct.to_dict()["layers"]
+
+
+def test_probe_errors_are_pooled_over_ranks():
+    """Under DDP every rank must shrink the same numbers: the standard errors are pooled, not left per rank."""
+    from prunelight.pipeline import _probes
+
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    batches = [torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))]
+    scores = run_calibration(model, batches, build_criterion("flap"))
+    budget = make_budget(model, PruneSettings(ratio=0.3))
+    one = _probes(model, budget, scores, batches, None)
+    two = _probes(model, budget, scores, batches, lambda t: 2 * t)  # two ranks that measured the same
+    for kind in ("attn", "mlp"):
+        assert two.loss[kind] == pytest.approx(one.loss[kind])
+        assert two.stderr[kind] == pytest.approx([v / 2 ** 0.5 for v in one.stderr[kind]])
 
 
 def test_calibrated_without_calibration_text_is_refused_before_any_work():

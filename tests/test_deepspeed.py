@@ -113,8 +113,8 @@ def test_gathered_scores_equal_direct_magnitude(tiny):
 def test_plan_under_sharding_equals_plain_plan(criterion):
     model = tiny_model("llama")
     batches = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    plain, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion))
-    sharded, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion), sharded=True)
+    plain, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global"))
+    sharded, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global"), sharded=True)
     assert not plain.is_identity()
     assert sharded.to_dict()["layers"] == plain.to_dict()["layers"]
     assert sharded.meta["params_removed"] == plain.meta["params_removed"]
@@ -124,6 +124,8 @@ def test_sharded_plan_refuses_options_that_write_weights():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="ZeRO-3.*attn_mlp_split=auto"):
         make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="auto"), sharded=True)
+    with pytest.raises(ValueError, match="ZeRO-3.*allocation=calibrated.*prune.allocation: global needs no masked"):
+        make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude"), sharded=True)  # the default
     plain, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"))
     fixed, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"), sharded=True)
     assert fixed.to_dict()["layers"] == plain.to_dict()["layers"]
@@ -132,7 +134,7 @@ def test_sharded_plan_refuses_options_that_write_weights():
 @pytest.mark.parametrize("tie", [False, True])
 def test_gathered_pruned_copy_equals_cut_model(family, tie):
     model = tiny_model(family, tie_word_embeddings=tie)
-    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude"))
+    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
     assert set(gathered_state_dict(model)) == set(model.state_dict())
     cut = gathered_pruned_copy(model, plan)
     ref = copy.deepcopy(model)
@@ -273,7 +275,7 @@ def test_full_recovery_checkpoint_keeps_all_weights(tmp_path, monkeypatch):
 
     lm = PruneLM(pretrained=str(make_tiny_checkpoint(tmp_path / "m")), recovery="full")
     lm.configure_model()
-    plan, _ = make_plan(lm.base_model, [], PruneSettings(ratio=0.3, criterion="magnitude"))
+    plan, _ = make_plan(lm.base_model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
     lm.apply_plan(plan)
     lm.start_recovery()
     ckpt = {"state_dict": lm.state_dict()}

@@ -47,7 +47,7 @@ def test_taylor_beats_random_and_export_reloads(ref, tmp_path):
     results = {}
     for criterion in ("taylor", "random"):
         pruned = copy.deepcopy(model)
-        plan, _ = make_plan(pruned, calib, PruneSettings(ratio=0.2, criterion=criterion))
+        plan, _ = make_plan(pruned, calib, PruneSettings(ratio=0.2, criterion=criterion, allocation="global"))
         apply_plan(pruned, plan)
         results[criterion] = evaluate_perplexity(pruned, evalb)["ppl"]
         if criterion == "taylor":

@@ -121,6 +121,9 @@ def test_nemotron_nas_folder_states_the_layout_and_reloads_equal(tmp_path, tied)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, ref, rtol=1e-5, atol=1e-5)
     assert type(loaded).__name__ == "NemotronNasForCausalLM"
+    # a model loaded from the folder exports again (recovery after a hand-off does this): the same layout
+    again = export_pretrained(loaded, tmp_path / "again", format="nemotron_nas")
+    assert json.loads((again / "config.json").read_text())["block_configs"] == cfg["block_configs"]
 
 
 def test_auto_export_picks_nemotron_nas_when_the_shapes_allow_and_prunelight_otherwise():

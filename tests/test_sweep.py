@@ -291,7 +291,7 @@ def _accepts(hit: Path, config: dict) -> None:
     ({"prune.attn_mlp_split": "1:3"}, True),
     ({"prune.attn_mlp_split": None}, True),
     ({"prune.attn_mlp_split": "auto"}, False),  # the run refuses prune.scores: no calibration pass to search on
-    ({"prune.allocation": "calibrated"}, False),  # nor to measure its probe removals on
+    ({"prune.allocation": "calibrated"}, True),  # its probes run on the calibration batches the run still reads
 ])
 def test_cached_scores_go_only_to_a_trial_whose_run_takes_them(tmp_path, point, reused):
     from prunelight.sweep.cache import prune_section

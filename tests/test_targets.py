@@ -110,10 +110,10 @@ def test_a_bad_parameter_count_is_refused_naming_the_value(text):
         parse_count(text)
 
 
-def test_targets_are_exclusive_and_kv_needs_global_or_uniform():
+def test_targets_are_exclusive_and_kv_needs_an_allocation_that_takes_it():
     with pytest.raises(SettingsError, match="prune.target_memory='1GB@bf16' is not allowed: prune.target_params is"):
         settings_of(0.2, target_params="1M", target_memory="1GB@bf16")
-    with pytest.raises(SettingsError, match="with allocation global or uniform, not 'depth'"):
+    with pytest.raises(SettingsError, match="with allocation global or uniform or calibrated, not 'depth'"):
         settings_of(0.2, target_kv_cache="1KiB@bf16", allocation="depth")
     assert parse_target("params", "6.5B").value == 6_500_000_000
     assert parse_target("params", "1.2e9").value == 1_200_000_000 and parse_target("params", 350).value == 350

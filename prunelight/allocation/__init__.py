@@ -6,9 +6,10 @@
 - `layerwise`: per-layer rates from layer importance (see layerwise.py), units chosen inside each layer.
 - `blockwise`: whole attention / MLP sub-blocks by importance per parameter, width pruning for the rest.
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
-- `calibrated`: the global knapsack on scores rescaled per sub-block by the measured calibration-loss increase
-  of a probe removal (calibrated.py), each sub-block capped at `calibrated_reach` x its probe.
-Any of them can split the budget x:y between attention and MLP (global, layerwise) and round kept
+- `calibrated` (the default): the global knapsack on scores rescaled per sub-block by the measured
+  calibration-loss increase of a probe removal (calibrated.py), each sub-block capped at `calibrated_reach` x its
+  probe; under a stock or served layout, global's shape search on the rescaled scores.
+Any of them can split the budget x:y between attention and MLP (global, layerwise, calibrated) and round kept
 MLP channels to a hardware-friendly multiple.
 
 Each allocation is a row of `registry.ALLOCATIONS` (what it needs, the shape constraints it honours,
@@ -107,24 +108,27 @@ def allocate(
     rule = SHAPES[shape]
     check_shape(settings, shape)
     share = settings.attn_share if attn_share is None else attn_share
-    if budget.kv_groups and rule.kv_target:
-        return _kv_plan(budget, scores, row)
-    if share is not None and not row.splits:
-        raise ValueError(f"an attention:MLP split applies to {', '.join(names_with('splits'))}, not {row.name!r}")
     check_scores(scores, budget)
-    if row.layer_importance and layer_scores is None:
-        raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
     if row.probes and probes is None:
         raise ValueError(f"allocation {row.name!r} needs its probe removals measured (probes); make_plan measures them")
+    if row.rescale is not None:  # one scale for every shape's function and the KV-cache target (calibrated)
+        scores = row.rescale(scores, probes)
+    measured = {"probes": probes.as_dict()} if probes is not None else {}
+    if budget.kv_groups and rule.kv_target:
+        return _kv_plan(budget, scores, row, measured)
+    if share is not None and not row.splits:
+        raise ValueError(f"an attention:MLP split applies to {', '.join(names_with('splits'))}, not {row.name!r}")
+    if row.layer_importance and layer_scores is None:
+        raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
     inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed, groups_kept,
                            probes)
     removal = rule.finish(inp, row.by_shape[shape](inp))
     plan = build_plan(budget, removal.removed, removal.drop)
-    plan.meta = {"allocation": row.name, **removal.extra, **plan_meta(budget, plan)}
+    plan.meta = {"allocation": row.name, **removal.extra, **measured, **plan_meta(budget, plan)}
     return plan
 
 
-def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation) -> PrunePlan:
+def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation, extra: dict | None = None) -> PrunePlan:
     """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer)."""
     check_scores(scores, budget)
     removed = empty_removed(budget)
@@ -142,5 +146,5 @@ def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation) -> PrunePlan:
                 removed["attn"][i].add(j)
                 left -= 1
     plan = build_plan(budget, removed)
-    plan.meta = {"allocation": row.name, **plan_meta(budget, plan)}
+    plan.meta = {"allocation": row.name, **(extra or {}), **plan_meta(budget, plan)}
     return plan

@@ -52,7 +52,6 @@ class Removal:
     drop: set[int] = field(default_factory=set)
     extra: dict[str, Any] = field(default_factory=dict)  # plan.meta entries, after "allocation"
     exact: bool = False  # True: the count is final (no true-up to within one MLP channel of the target)
-    scores: UnitScores | None = None  # rescaled scores the finishing step moves units on (None: the inputs' scores)
 
 
 AllocateFn = Callable[[AllocationInputs], Removal]
@@ -79,8 +78,11 @@ class Allocation:
     kv_target: bool = False
     """Can meet a KV-cache target (`prune.target_kv_cache`: GQA groups only)."""
     probes: bool = False
-    """Needs probe removals measured on calibration text before the cut (one masked slice per sub-block; the
-    scoring pass must run, so saved `prune.scores` and ZeRO-3 partitions are refused)."""
+    """Needs probe removals measured on calibration text before the cut (one masked slice per sub-block; with
+    saved `prune.scores` they run on the calibration batches the run still reads; ZeRO-3 partitions are refused)."""
+    rescale: Callable[[UnitScores, Any], UnitScores] | None = None
+    """(scores, probes) -> scores on a common scale, applied before any shape's function and a KV-cache target's
+    choice (calibrated: the calibration loss); None: the criterion's scores as they are."""
     drops_layers: bool = False
     """May drop whole layers, so which layers stay is known only after scoring."""
     precheck: Precheck | None = None

@@ -23,14 +23,15 @@ The calibrated allocation keeps the criterion's scores as they are and only resc
 5. The global fractional knapsack runs on the calibrated costs, each sub-block capped at `reach` x its probe
    (the linear scale a probe gives is not trusted far beyond the size it was measured at).
 
-Its registry row (`allocation/registry.py`) has `probes=True`: the cut's scoring pass (`pipeline.make_plan`)
-measures the probes with `measure_probes` and hands them in `AllocationInputs.probes`. It honours `Shape.FREE`
-only: a stock (UNIFORM) or served (SERVED) layout fixes the per-layer shape, so there is no per-sub-block
-choice for the loss scale to make, and those export formats are refused before any work. It has no attention:MLP
-split (`splits=False`) and no KV-cache target (`kv_target=False`); the settings refuse both, and with saved
-`prune.scores` or under ZeRO-3 (no calibration pass to probe on; masked forwards on partitions) it is refused
-before the weights load; its size pre-check is global's (`width.check_removable`: the caps widen to the full
-limits when they must).
+Its registry row (`allocation/registry.py`) has `probes=True` and `rescale=calibrated_scores`: the cut's scoring
+pass (`pipeline.make_plan`) measures the probes with `measure_probes` (on the calibration batches, also when the
+unit scores come from a saved `prune.scores`) and `allocation.allocate` rescales the scores once, before any
+shape's function. So every option global takes works on the loss scale: a fixed attention:MLP split (each kind
+its share, capped), `auto` (the split search tries shares of this allocation), a KV-cache target (the groups of
+lowest calibrated cost), and the stock (UNIFORM) and served (SERVED) layouts, whose functions are global's own
+run on calibrated costs (the uniform shape removing the least predicted loss). Under ZeRO-3 (masked forwards on
+partitions) it is refused before the weights load; its size pre-check is global's (`width.check_removable`: the
+caps widen to the full limits when they must).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunelight.allocation.base import AllocationInputs, Removal, Shape
-from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest, meet, units
+from prunelight.allocation.base import AllocationInputs, Removal
+from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest
 from prunelight.allocation.split_search import masked
+from prunelight.allocation.width import global_width, kind_targets
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
@@ -257,36 +259,46 @@ def calibrated_scores(scores: UnitScores, probes: Probes) -> UnitScores:
     return out
 
 
-def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: float = 1.5) -> Removed:
-    """Global knapsack on calibrated scores, each sub-block removing at most `reach` x its probe slice.
-
-    A probe measures the loss at one removal size; the linear scale it gives is trusted up to `reach` times
-    that size (loss grows faster than linearly beyond it). If those caps cannot meet the budget, the reach
-    grows by one probe size at a time until they can.
-    """
-    cal = calibrated_scores(scores, probes)
+def reach_limits(budget: Budget, probes: Probes, reach: float,
+                 targets: dict[str, int] | None = None) -> tuple[dict[str, list[int]], float]:
+    """Per-sub-block caps floor(reach x probe slice), the reach grown by whole steps until the caps can meet the
+    budget (each kind its share, with a split); returns the caps and the reach used."""
     lim_full = {k: budget.limits(k) for k in KINDS}
     while True:
         # floor: never past reach x the probe (a 1-unit probe with reach 1.5 allows 1 unit, not 2)
         lim = {k: [min(lim_full[k][i], int(math.floor(reach * len(probes.slices[k][i]) + 1e-9)))
                    for i in range(budget.num_layers)]
                for k in KINDS}
-        if sum(sum(lim[k]) * budget.cost(k) for k in KINDS) >= budget.target:
-            break
+        room = {k: sum(lim[k]) * budget.cost(k) for k in KINDS}
+        if (sum(room.values()) >= budget.target if targets is None
+                else all(room[k] >= targets[k] for k in KINDS)):
+            return lim, reach
         if all(lim[k] == lim_full[k] for k in KINDS):
-            break  # precheck already refused targets beyond the full limits
+            return lim, reach  # precheck (and kind_targets) already refused targets beyond the full limits
         reach += 1.0
-    removed = empty_removed(budget)
-    meet(units(cal, budget), budget.target, removed, lim, 0, budget.c_cost)
-    return removed
+
+
+def capped_width(costs: UnitScores, budget: Budget, probes: Probes, reach: float = 1.5,
+                 attn_share: float | None = None) -> tuple[Removed, float]:
+    """Global knapsack on calibrated costs (`calibrated_scores`), each sub-block removing at most `reach` x its
+    probe slice; with `attn_share`, attention gives its share and the MLP the rest, each on the loss scale.
+
+    A probe measures the loss at one removal size; the linear scale it gives is trusted up to `reach` times
+    that size (loss grows faster than linearly beyond it). If those caps cannot meet the budget, the reach
+    grows by one probe size at a time until they can. Returns the removal and the reach used.
+    """
+    lim, reach = reach_limits(budget, probes, reach, kind_targets(budget, attn_share))
+    return global_width(costs, budget, attn_share, lim=lim), reach
+
+
+def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: float = 1.5,
+                     attn_share: float | None = None) -> Removed:
+    """`capped_width` on the criterion's `scores` put on the loss scale by `probes`."""
+    return capped_width(calibrated_scores(scores, probes), budget, probes, reach, attn_share)[0]
 
 
 def allocate_calibrated(inp: AllocationInputs) -> Removal:
-    """Shape.FREE: the capped global knapsack on calibrated scores; the true-up moves units on the same scale."""
-    if inp.probes is None:
-        raise ValueError("allocation 'calibrated' needs its probe removals measured (probes); make_plan measures them")
-    reach = inp.settings.calibrated_reach
-    removed = calibrated_width(inp.scores, inp.budget, inp.probes, reach)
-    return Removal(removed, extra={"calibrated_reach": reach, "probes": inp.probes.as_dict()},
-                   scores=calibrated_scores(inp.scores, inp.probes))
-
+    """Shape.FREE: the capped global knapsack on calibrated costs (`allocate` rescaled `inp.scores` with the row's
+    `rescale`); the true-up moves units on the same scale."""
+    removed, reach = capped_width(inp.scores, inp.budget, inp.probes, inp.settings.calibrated_reach, inp.attn_share)
+    return Removal(removed, extra={"calibrated_reach": reach})

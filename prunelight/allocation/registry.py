@@ -12,7 +12,7 @@ from elsewhere, as tests do).
 from __future__ import annotations
 
 from prunelight.allocation.base import Allocation, Shape
-from prunelight.allocation.calibrated import allocate_calibrated
+from prunelight.allocation.calibrated import allocate_calibrated, calibrated_scores
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
@@ -30,8 +30,11 @@ ROWS = (
                block_removal=lambda settings: settings.block_importance == "removal"),
     Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform,
                          Shape.SERVED: allocate_depth_served}, layer_importance=True, drops_layers=True),
-    # FREE only (a stock or served layout leaves no per-sub-block choice to calibrate); no split, no KV target.
-    Allocation("calibrated", {Shape.FREE: allocate_calibrated}, probes=True, precheck=check_removable),
+    # Global on the loss scale: the scores are rescaled by measured probes once (`rescale`), so a stock or served
+    # layout, a split and a KV-cache target run global's own functions on calibrated costs; FREE adds the caps.
+    Allocation("calibrated", {Shape.FREE: allocate_calibrated, Shape.UNIFORM: allocate_uniform_shape,
+                              Shape.SERVED: allocate_served}, splits=True, kv_target=True, probes=True,
+               rescale=calibrated_scores, precheck=check_removable),
 )
 
 ALLOCATIONS: dict[str, Allocation] = {row.name: row for row in ROWS}

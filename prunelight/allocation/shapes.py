@@ -35,7 +35,7 @@ def _free_sizes(budget: Budget, settings: PruneSettings, shape: Shape) -> None:
 def _finish_free(inp: AllocationInputs, r: Removal) -> Removal:
     """The split target, channel alignment, and the true-up to within one channel (unless the count is final)."""
     s, extra, removed = inp.settings, dict(r.extra), r.removed
-    scores = inp.scores if r.scores is None else r.scores  # an allocation's rescaled scores keep their scale here
+    scores = inp.scores  # already on the row's scale (`Allocation.rescale`, applied by `allocate`)
     if inp.attn_share is not None:
         extra["attn_share_target"] = inp.attn_share
     if s.align_channels > 1:

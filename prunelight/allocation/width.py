@@ -31,15 +31,16 @@ def limits(budget: Budget) -> dict[str, list[int]]:
 
 
 def global_width(scores: UnitScores, budget: Budget, attn_share: float | None = None,
-                 removed: Removed | None = None, layers=None) -> Removed:
+                 removed: Removed | None = None, layers=None, lim: dict[str, list[int]] | None = None) -> Removed:
     """Fractional-knapsack greedy: drop the lowest importance-per-parameter units until the budget is met.
 
     A GQA group that would overshoot the target by a channel's cost or more is passed over for the next
     channels in the order, so the unit count lands within one channel of the target. With `attn_share`,
-    attention takes its share to the nearest whole group and the MLP takes exactly the rest.
+    attention takes its share to the nearest whole group and the MLP takes exactly the rest. `lim`: per-layer
+    removal caps tighter than the budget's limits (calibrated's reach).
     """
     removed = removed if removed is not None else empty_removed(budget)
-    lim = limits(budget)
+    lim = lim if lim is not None else limits(budget)
     targets = kind_targets(budget, attn_share)
 
     def done(kinds) -> int:

@@ -9,7 +9,8 @@ seed, the batch size the run scores with, batch limits), and the measures the ru
 scores (layer importance where its allocation measures it, sub-block removals; `recorded_measures`). On a hit,
 the key stored inside the file is compared with it by `prunelight.saved.check_key` (criterion, arguments,
 calibration), and the file is handed over only when the trial's run takes it: its settings allow
-`prune.scores` (not `attn_mlp_split: auto`, not an allocation that probes) and the file holds every measure its
+`prune.scores` (not `attn_mlp_split: auto`; an allocation that probes measures its probes on the calibration
+batches the run still reads) and the file holds every measure its
 allocation needs (`check_scores_cover`); the run itself checks the model part (weights fingerprint), so a
 stale, foreign or refused file is never used. A miss runs normally and then stores the run's own `scores.pt`
 under the key (write-then-rename: two workers storing the same key leave one whole file).
@@ -154,8 +155,8 @@ class ScoreCache:
     @staticmethod
     def _usable(path: Path, key: dict[str, Any], prune: dict[str, Any] | None) -> bool:
         """The key saved inside scores.pt by the run agrees with ours (criterion, arguments, calibration), and the
-        trial's run takes the file: its settings allow `prune.scores` (not with attn_mlp_split auto or an
-        allocation that probes) and the file holds every measure its allocation needs (the run's own checks)."""
+        trial's run takes the file: its settings allow `prune.scores` (not with attn_mlp_split auto) and the file
+        holds every measure its allocation needs (the run's own checks)."""
         from prunelight.errors import one_line
         from prunelight.saved import check_key, check_scores_cover, load_scores
         from prunelight.settings import PruneSettings
