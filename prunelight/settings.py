@@ -157,9 +157,9 @@ class PruneSettings:
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
     calibrated_reach: float = 1.5
-    """calibrated: a sub-block loses at most floor(reach x its probe slice) units (the linear loss scale a probe
-    gives is trusted that far; 1.5 lets a one-group probe never vouch for a second group); raised by whole steps
-    when the caps cannot meet the budget."""
+    """calibrated: a sub-block loses at most floor(reach x its probe slice) units and keeps at least 1/reach of
+    what its probe kept (the linear loss scale a probe gives is trusted that far; 1.5 lets a one-group probe never
+    vouch for a second group); raised by whole steps when the caps cannot meet the budget."""
     reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
     contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns).

@@ -34,6 +34,9 @@ SETTINGS = {  # name -> command-line options of the recovery
     "ce": [],
     "kl_a0.5_T2": ["--model.distillation.alpha=0.5", "--model.distillation.temperature=2.0"],
     "kl_a1.0_T1": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0"],
+    # the same loss at 4x the job's learning rate: how far 200 steps get when the adapters move faster
+    "kl_a1.0_T1_lr2e-3": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0",
+                          "--model.learning_rate=0.002"],
 }
 # $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
 SHARED = shared_dir() or ROOT.parent / "shared"
@@ -116,6 +119,8 @@ def table(out: Path) -> str:
             loss = (f"{rec['steps']} LoRA steps, next-token CE" if not d else
                     f"{rec['steps']} LoRA steps, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "
                     f"{1 - d['alpha']:.2g} x CE")
+            lr = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.learning_rate=")), None)
+            loss += f", lr {lr}" if lr else ""
         cells = [f"{r['ppl']:.2f}" for r in res] + _zeroshot_cells(full)
         rows.append(f"| {name} | {loss} | " + " | ".join(cells) + " |")
     cols = [f"{d} @{n}" for d, n in header or []] + zs_header

@@ -4,13 +4,22 @@ respects its caps, follows the measured losses, is deterministic, and the cut mo
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from prunelight.allocation import count_params
 from prunelight.allocation.budget import build_plan, empty_removed, make_budget
-from prunelight.allocation.calibrated import Probes, calibrated_width, measure_probes, probe_slices
+from prunelight.allocation.calibrated import (
+    Probes,
+    calibrated_scores,
+    calibrated_width,
+    capped_width,
+    measure_probes,
+    probe_slices,
+    trust_cap,
+)
 from prunelight.allocation.split_search import masked
 from prunelight.calibration import run_calibration
 from prunelight.evaluation.perplexity import evaluate_perplexity
@@ -75,13 +84,36 @@ def test_plan_meets_budget_respects_caps_and_cuts_as_masked(setup, ratio):
     reach = plan.meta["calibrated_reach"]
     for i, lp in enumerate(plan.layers):
         # caps (plus the one-channel true-up at most)
-        assert budget.n_groups[i] - len(lp.keep_groups) <= round(reach * sizes["attn"][i])
-        assert budget.n_chans[i] - len(lp.keep_channels) <= round(reach * sizes["mlp"][i]) + 1
+        assert budget.n_groups[i] - len(lp.keep_groups) <= trust_cap(budget.n_groups[i], sizes["attn"][i], reach)
+        assert budget.n_chans[i] - len(lp.keep_channels) <= trust_cap(budget.n_chans[i], sizes["mlp"][i], reach) + 1
     mask = copy.deepcopy(model)
     mask_units(mask, plan)
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(cut(ids).logits, mask(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_trust_region_bounds_removed_and_kept_units():
+    """Within a factor reach of the probe on both sides: removed <= reach x probe, kept >= probe's kept / reach."""
+    assert trust_cap(3, 1, 1.5) == 1  # a one-group probe never vouches for a second group
+    assert trust_cap(1536, 425, 1.5) == 637  # a 28% probe: the removed side binds (1.5 x 425)
+    assert trust_cap(1536, 968, 1.5) == 1536 - 379  # a 63% probe: 568 kept, at least 379 stay (not 1.5 x 968)
+    assert trust_cap(8, 4, 1.0) == 4 and trust_cap(8, 4, 1e9) == 7  # reach 1: the probe; large: all but one
+
+
+def test_at_a_high_ratio_no_sub_block_is_emptied_on_an_extrapolation():
+    """50%: one MLP's probe is 50x cheaper than the rest; it is cut to its trust region, not emptied."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    budget = make_budget(model, PruneSettings(ratio=0.5))
+    scores = {"attn": [torch.ones(n) for n in budget.n_groups],
+              "mlp": [torch.arange(n, dtype=torch.float) + 1 for n in budget.n_chans]}
+    slices = probe_slices(scores, budget)
+    probes = Probes(0.0, {"attn": [1.0] * 4, "mlp": [0.5, 0.01, 0.5, 0.5]}, slices, tokens=1, stderr=None)
+    removed, reach = capped_width(calibrated_scores(scores, probes), budget, probes, 1.5)
+    n, p = budget.n_chans[1], len(slices["mlp"][1])
+    assert reach == 1.5 and p > n / 2, "the setting this test is about: a probe past half the MLP"
+    assert n - len(removed["mlp"][1]) == math.ceil((n - p) / reach), "the cheap MLP goes to its bound, no further"
+    assert math.floor(reach * p) >= n - 1, "the removed-side cap alone would have emptied it"
 
 
 def test_measured_loss_decides_where_units_go():

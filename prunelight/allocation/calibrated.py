@@ -20,8 +20,9 @@ The calibrated allocation keeps the criterion's scores as they are and only resc
 4. Scores become non-negative costs (one shift per kind) and every unit of the sub-block is scaled by dL / S,
    S being the probe slice's summed cost, so the slice's calibrated costs add up to its measured loss. Inside a
    sub-block the order and spacing of the criterion's scores are kept; across sub-blocks the scale is the loss.
-5. The global fractional knapsack runs on the calibrated costs, each sub-block capped at `reach` x its probe
-   (the linear scale a probe gives is not trusted far beyond the size it was measured at).
+5. The global fractional knapsack runs on the calibrated costs, each sub-block within a factor `reach` of its
+   probe: at most reach x the units the probe removed and at least 1/reach of those it kept (the linear scale a
+   probe gives is not trusted far beyond the size it was measured at, on either side).
 
 Its registry row (`allocation/registry.py`) has `probes=True` and `rescale=calibrated_scores`: the cut's scoring
 pass (`pipeline.make_plan`) measures the probes with `measure_probes` (on the calibration batches, also when the
@@ -259,14 +260,23 @@ def calibrated_scores(scores: UnitScores, probes: Probes) -> UnitScores:
     return out
 
 
+def trust_cap(n: int, probed: int, reach: float) -> int:
+    """Most units a sub-block of `n` may lose on the linear scale of a probe that removed `probed`: within a
+    factor `reach` of the probe on both sides, at most reach x the removed units and at least 1/reach of the
+    kept ones (removing 60% and extrapolating to 95% shrinks what is left 8-fold: no linear scale holds there)."""
+    removed = math.floor(reach * probed + 1e-9)  # a 1-unit probe with reach 1.5 allows 1 unit, not 2
+    kept = math.ceil((n - probed) / reach - 1e-9)
+    return max(min(removed, n - kept), 0)
+
+
 def reach_limits(budget: Budget, probes: Probes, reach: float,
                  targets: dict[str, int] | None = None) -> tuple[dict[str, list[int]], float]:
-    """Per-sub-block caps floor(reach x probe slice), the reach grown by whole steps until the caps can meet the
-    budget (each kind its share, with a split); returns the caps and the reach used."""
+    """Per-sub-block caps `trust_cap`, the reach grown by whole steps until the caps can meet the budget (each
+    kind its share, with a split); returns the caps and the reach used."""
     lim_full = {k: budget.limits(k) for k in KINDS}
+    sizes = {k: budget.sizes(k) for k in KINDS}
     while True:
-        # floor: never past reach x the probe (a 1-unit probe with reach 1.5 allows 1 unit, not 2)
-        lim = {k: [min(lim_full[k][i], int(math.floor(reach * len(probes.slices[k][i]) + 1e-9)))
+        lim = {k: [min(lim_full[k][i], trust_cap(sizes[k][i], len(probes.slices[k][i]), reach))
                    for i in range(budget.num_layers)]
                for k in KINDS}
         room = {k: sum(lim[k]) * budget.cost(k) for k in KINDS}
@@ -280,8 +290,8 @@ def reach_limits(budget: Budget, probes: Probes, reach: float,
 
 def capped_width(costs: UnitScores, budget: Budget, probes: Probes, reach: float = 1.5,
                  attn_share: float | None = None) -> tuple[Removed, float]:
-    """Global knapsack on calibrated costs (`calibrated_scores`), each sub-block removing at most `reach` x its
-    probe slice; with `attn_share`, attention gives its share and the MLP the rest, each on the loss scale.
+    """Global knapsack on calibrated costs (`calibrated_scores`), each sub-block within `trust_cap` of its probe;
+    with `attn_share`, attention gives its share and the MLP the rest, each on the loss scale.
 
     A probe measures the loss at one removal size; the linear scale it gives is trusted up to `reach` times
     that size (loss grows faster than linearly beyond it). If those caps cannot meet the budget, the reach
