@@ -50,7 +50,8 @@ def prune_folder(dense: Path, fmt: str, ratio: float, align: int, out: Path) -> 
     if (out / "config.json").is_file():
         return out
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    s = PruneSettings(ratio=ratio, criterion="magnitude", reconstruct="none", align_channels=align)
+    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                      align_channels=align)  # weight-only: no calibration text for calibrated's probes
     plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
     apply_plan(model, plan)
     return export_pretrained(model, out, AutoTokenizer.from_pretrained(dense), format=fmt)

@@ -121,7 +121,9 @@ def _cut(model, fmt: str, ratio: float, min_groups: int = 1):
     from prunelight.settings import PruneSettings
     from prunelight.surgery import apply_plan
 
-    s = PruneSettings(ratio=ratio, criterion="magnitude", reconstruct="none", min_groups=min_groups)
+    # global: a weight-only cut reads no text, and calibrated (the default) probes on calibration text
+    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                      min_groups=min_groups)
     plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
     apply_plan(model, plan)
     return model
