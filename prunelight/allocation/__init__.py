@@ -129,8 +129,9 @@ def allocate(
 
 
 def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation, extra: dict | None = None) -> PrunePlan:
-    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer)."""
-    check_scores(scores, budget)
+    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer).
+
+    `allocate` has checked the scores (before rescaling them)."""
     removed = empty_removed(budget)
     if row.name == "uniform":
         k = budget.kv_groups // budget.num_layers
