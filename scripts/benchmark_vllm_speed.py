@@ -39,21 +39,18 @@ VARIANTS = (("stock", 1), ("nemotron_nas", 1), ("nemotron_nas", 64))  # (format,
 
 def prune_folder(dense: Path, fmt: str, ratio: float, align: int, out: Path) -> Path:
     """`dense` cut by magnitude to `ratio` for `fmt` (align_channels `align`) and exported to `out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    import prunelight
+    from prunelight import bench
     from prunelight.export import export_pretrained
-    from prunelight.allocation import shape_of_format
-    from prunelight.pipeline import make_plan
-    from prunelight.settings import PruneSettings
-    from prunelight.surgery import apply_plan
 
     if (out / "config.json").is_file():
         return out
-    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                      align_channels=align)  # weight-only: no calibration text for calibrated's probes
-    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
-    apply_plan(model, plan)
+    model = bench.load_model(dense)
+    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                                 align_channels=align)  # weight-only: no calibration text for calibrated's probes
+    prunelight.prune(model, s, export_format=fmt)  # the format's shape constraint, as export.format sets it
     return export_pretrained(model, out, AutoTokenizer.from_pretrained(dense), format=fmt)
 
 

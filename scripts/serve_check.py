@@ -41,9 +41,9 @@ MAX_TOKENS = 16
 
 def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Greedy tokens and their log-probabilities from transformers on `folder` (float32, full recompute per step)."""
-    from transformers import AutoModelForCausalLM
+    from prunelight import bench
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = bench.load_model(folder)
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -115,24 +115,19 @@ class _Cfg:
 
 
 def _cut(model, fmt: str, ratio: float, min_groups: int = 1):
-    """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text)."""
-    from prunelight.allocation import shape_of_format
-    from prunelight.pipeline import make_plan
-    from prunelight.settings import PruneSettings
-    from prunelight.surgery import apply_plan
+    """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text), as a run would."""
+    import prunelight
 
     # global: a weight-only cut reads no text, and calibrated (the default) probes on calibration text
-    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                      min_groups=min_groups)
-    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
-    apply_plan(model, plan)
-    return model
+    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                                 min_groups=min_groups)
+    return prunelight.prune(model, s, export_format=fmt)[0]  # the format's shape constraint, as export.format sets it
 
 
 def tiny_folders(out: Path) -> list[Path]:
     """Tiny Llama exports: stock, nemotron_nas (allocated), nemotron_nas with a removed attention and MLP."""
-    from prunelight.plan import LayerPlan, PrunePlan
-    from prunelight.surgery import apply_plan
+    import prunelight
+    from prunelight.plan import LayerPlan
     from prunelight.testing import tiny_model, tiny_tokenizer
 
     # head_dim 32: vLLM's CPU attention kernels take 32, 64, 80, 96, 112, 128... (not the tests' usual 16)
@@ -146,10 +141,10 @@ def tiny_folders(out: Path) -> list[Path]:
                                  format="nemotron_nas")]
     m = make()
     n = m.config.intermediate_size
-    plan = PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
-                             LayerPlan([1], []), LayerPlan([1], list(range(n)))],
-                     num_groups=[2] * 4, num_channels=[n] * 4)
-    apply_plan(m, plan)
+    plan = prunelight.PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
+                                        LayerPlan([1], []), LayerPlan([1], list(range(n)))],
+                                num_groups=[2] * 4, num_channels=[n] * 4)
+    prunelight.apply_plan(m, plan)
     folders.append(export_pretrained(m, out / "tiny_nemotron_nas_noop", tok, format="nemotron_nas"))
     return folders
 
@@ -177,12 +172,14 @@ def tiny_prompts(n: int = 4, length: int = 6, vocab: int = 128) -> list[list[int
 
 def pruned_folders(source: str, out: Path, ratio: float) -> list[Path]:
     """`source` pruned by `ratio` for stock and nemotron_nas, exported (tokenizer copied)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from prunelight import bench
 
     tok = AutoTokenizer.from_pretrained(source)
     folders = []
     for fmt in ("stock", "nemotron_nas"):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        model = bench.load_model(source)
         folders.append(export_pretrained(_cut(model, fmt, ratio), out / f"{Path(source).name}_{fmt}", tok,
                                          format=fmt))
     return folders
