@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelight.allocation import count_params  # noqa: F401 - the scripts' parameter count (tied weights once)
 from prunelight.settings import PruneSettings
 
 # The method presets (`configs/methods/*.yaml`, fragments over a base run) live beside the package in a checkout.
@@ -51,11 +52,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Parameters a model holds (tied embeddings once), what the benchmarks report before and after a cut."""
-    return sum(p.numel() for p in model.parameters())
 
 
 @dataclass
@@ -131,6 +127,22 @@ def preset_settings(preset: str | None = None, **overrides: Any) -> PruneSetting
         prune = yaml.safe_load(path.read_text())["prune"]
     prune.update(overrides)
     return PruneSettings(**prune)
+
+
+# The benchmark tables' method per allocation: each allocation runs with the `prune:` settings of its method preset,
+# so a cell measures what `prunelight fit --config ... --config configs/methods/X.yaml` does.
+ALLOCATION_PRESETS = {"global": "taylor", "layerwise": "layerwise", "blockwise": "blockwise", "depth": "depth"}
+# Blockwise ranks sub-blocks by the criterion's own unit scores in the tables, so they compare criteria rather than
+# the preset's removal measure.
+TABLE_OVERRIDES = {"blockwise": {"block_importance": "units"}}
+
+
+def cell_settings(allocation: str, criterion: str, ratio: float, criterion_args: dict | None = None,
+                  **extra: Any) -> PruneSettings:
+    """The PruneSettings of one benchmark table cell: the allocation's preset, the tables' overrides, then `extra`."""
+    overrides = {**TABLE_OVERRIDES.get(allocation, {}), **extra}
+    return preset_settings(ALLOCATION_PRESETS.get(allocation), **overrides, allocation=allocation,
+                           criterion=criterion, criterion_args=dict(criterion_args or {}), ratio=ratio)
 
 
 class Scorer:

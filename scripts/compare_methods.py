@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     model = bench.load_model(args.model)
     t0 = time.perf_counter()
     dense = bench.perplexity(model, evals)["ppl"]
-    print(f"dense: {bench.count_parameters(model):,} params, ppl {dense:.2f} ({time.perf_counter() - t0:.1f} s)")
+    print(f"dense: {bench.count_params(model):,} params, ppl {dense:.2f} ({time.perf_counter() - t0:.1f} s)")
     print("| method | allocation | ratio | reconstruct | params removed | layers dropped | pruned ppl | cut s | eval s |")
     print("|---|---|---:|---|---:|---|---:|---:|---:|")
     for name in args.methods:
