@@ -160,6 +160,7 @@ class Scorer:
         self._layers: dict[tuple, list[float]] = {}
         self._blocks: dict[Any, dict[str, list[float]]] = {}
         self.seconds: dict[str, float] = {}  # criterion -> seconds of its (first) scoring pass
+        self.measure_seconds: dict[str, float] = {}  # layer measure -> seconds of the pass that added it
 
     def __call__(self, settings: PruneSettings) -> Any:
         """The scores a run with `settings` measures (unit scores, and the measures its allocation needs)."""
@@ -184,7 +185,9 @@ class Scorer:
             # the measures do not depend on the criterion: a weight-only pass measures them without re-scoring
             extra = dataclasses.replace(settings, criterion="magnitude", criterion_args={},
                                         report_layer_importance=missing)
+            t0 = time.perf_counter()
             self._keep(settings, prunelight.score(self.model, extra, self.calibration))
+            self.measure_seconds.update(dict.fromkeys(missing, time.perf_counter() - t0))
         base = self._units[key]
         return prunelight.Scores(unit_scores=base.unit_scores, key={},
                                  layer_importance={m: self._layers[(window, m)] for m in needs},
