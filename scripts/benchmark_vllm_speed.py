@@ -18,18 +18,14 @@ Writes results/benchmarks/vllm_speed_<tag>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,22 +64,11 @@ def n_params(folder: Path) -> int:
 
 def time_folder(folder: Path, args, log: Path) -> dict:
     """vLLM timings of one folder (a fresh engine in vLLM's environment)."""
-    cfg = json.loads((folder / "config.json").read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"folder": str(folder.resolve()), "max_model_len": 512,
-                                    "trust_remote_code": bool(cfg.get("auto_map")),
-                                    "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
-                                              "decode_tokens": args.decode_tokens, "batch": args.batch}}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("PYTHONPATH", None)
-        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own CPU threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
-        with open(log, "w") as sink:
-            proc = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
-                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vLLM failed on {folder}; see {log}")
-        res = json.loads(out.read_text())
+    from prunelight import bench
+
+    res = bench.run_vllm(args.vllm_python, {"folder": str(folder), "max_model_len": 512,
+                                            "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
+                                                      "decode_tokens": args.decode_tokens, "batch": args.batch}}, log)
     runs = res["speed"]
     return {"engine": res["engine"], "architecture": res["architecture"][0], "runs": runs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
@@ -129,11 +114,9 @@ def write(rows: list[dict], args) -> None:
         r["ideal_speedup"] = base["params"] / r["params"]
         r["prefill_speedup"] = r["prefill_tok_s"] / base["prefill_tok_s"]
         r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-    out = Path(args.out) / f"vllm_speed_{args.tag}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"engine": base["engine"], "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), **{k: v for k, v in vars(args).items()}}
-    out.with_suffix(".json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
+    from prunelight import bench
+
+    meta = {"engine": base["engine"], **bench.machine(), **vars(args)}
     lines = [f"# vLLM speed: dense vs pruned SmolLM2-135M ({base['engine']}, float32, eager, CPU)", "",
              f"batch {args.batch} x {args.prompt_len} prompt tokens; decode {args.decode_tokens} tokens; median of "
              f"{args.repeats} runs after one warm-up; a fresh engine per folder. Ideal = params_dense / params_pruned.",
@@ -143,7 +126,8 @@ def write(rows: list[dict], args) -> None:
         lines.append(f"| {r['name']} | {r['format']} ({r['architecture']}) | {r['align_channels']} | {r['params']:,} | "
                      f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['prefill_speedup']:.2f} | "
                      f"{r['decode_speedup']:.2f} | {r['ideal_speedup']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    bench.write_results(Path(args.out) / f"vllm_speed_{args.tag}", {"settings": meta, "rows": rows},
+                        "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

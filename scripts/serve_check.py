@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -63,20 +62,10 @@ def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens
 def vllm_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int, vllm_python: str,
                 max_model_len: int = 512, log: Path | None = None) -> dict:
     """vLLM's greedy tokens and log-probabilities on `folder`, from its own environment (a subprocess)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        spec.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": prompts,
-                                    "max_tokens": max_tokens, "max_model_len": max_model_len,
-                                    "trust_remote_code": bool(cfg.get("auto_map"))}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        env.pop("PYTHONPATH", None)  # vLLM's environment, not prunelight's
-        with open(log or os.devnull, "w") as sink:
-            proc = subprocess.run([vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
-                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM could not serve {folder} (exit {proc.returncode}; log: {log})")
-        return json.loads(out.read_text())
+    from prunelight import bench
+
+    return bench.run_vllm(vllm_python, {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens,
+                                        "max_model_len": max_model_len}, log)
 
 
 def compare(ref: list[dict], eng: list[dict]) -> dict:
@@ -224,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
     summary = {"results": results, "all_equal": all(r["equal"] for r in results)}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        from prunelight import bench
+
+        bench.write_results(Path(args.out).with_suffix(""), summary)
     print(f"serve check: {sum(r['equal'] for r in results)} of {len(results)} folder(s) equal; largest |logprob diff| "
           f"{max((r['max_abs_logprob_diff'] for r in results), default=0):.2e}")
     return 0 if summary["all_equal"] else 1
