@@ -8,6 +8,7 @@ cut a `prunelight fit` run makes; `tests/test_benchmarks.py` reads the scripts t
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -232,6 +233,47 @@ def write_results(stem: str | Path, data: dict[str, Any], markdown: str | None =
     if markdown is not None:
         atomic_write_text(stem.parent / f"{stem.name}.md", markdown)
     return path
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
+    """--model (the reference model) and --calibration / --eval (WikiText-2 valid / test), defaulting to the shared
+    reference data when it is there."""
+    if model:
+        parser.add_argument("--model", default=shared_path("models", "ref-llama-gqa"),
+                            help="a Hugging Face model folder (default: the shared reference model)")
+    parser.add_argument("--calibration", default=shared_path("data", "wikitext2", "valid.txt"),
+                        help="calibration text (default: the shared WikiText-2 valid)")
+    parser.add_argument("--eval", default=shared_path("data", "wikitext2", "test.txt"),
+                        help="evaluation text (default: the shared WikiText-2 test)")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, worker=None,
+               flag: str = "--worker") -> argparse.Namespace | None:
+    """Parse a script's options and set torch's threads from its --threads; in a worker process (started by
+    `run_worker` with `flag`) run `worker(args)`, write its answer and return None."""
+    if worker is not None:
+        add_worker_arguments(parser, flag)
+    args = parser.parse_args(argv)
+    set_threads(getattr(args, "threads", None))
+    if worker is not None and getattr(args, flag.lstrip("-").replace("-", "_")):
+        answer_worker(args, worker(args))
+        return None
+    return args
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, flag: str = "--worker") -> None:
+    """The hidden options a script's worker process is started with: `flag` (what to run), --data-file (what
+    the parent prepared, e.g. `TokenData.save`) and --worker-out (where `run_worker` reads the answer)."""
+    parser.add_argument(flag, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--data-file", help=argparse.SUPPRESS)
+
+
+def answer_worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """A worker's answer, written (atomically) where `run_worker` reads it."""
+    from prunelight.atomic import atomic_write_json
+
+    atomic_write_json(args.worker_out, result)
 
 
 def run_worker(args: Sequence[str], threads: int | None = None, timeout: float | None = None,

@@ -2,8 +2,10 @@
 
 The model is loaded once; each criterion scores once on the calibration windows (`prunelight.score`, the run's
 scoring pass), and every (criterion, ratio, allocation) cuts a fresh copy with `prunelight.prune` from those
-scores: allocation (calibrated measures its probe removals on the first `--importance-batches` batches of 8
-windows), the `--reconstruct` repair and surgery, as a run does; each cut is evaluated on the same blocks.
+scores: allocation (calibrated measures its probe removals on the first `--probe-samples` windows), the
+`--reconstruct` repair and surgery, as a run does; each cut is evaluated on the same blocks. With
+`--measure-dtype bfloat16` the scores and probes come from a bf16 copy (a bf16 GPU run's plan) and that plan is
+applied to the float32 model with the repair, as `prune.plan` applies a saved plan.
 Default protocol: WikiText-2 valid, 64 x 128-token windows (seed 0) for calibration; the first 60,000
 characters of WikiText-2 test in 128-token blocks for the run's own perplexity. One JSON line per result on
 stdout and in --out.
@@ -16,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
+import math
 import os
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,19 +39,19 @@ def main(argv: list[str] | None = None) -> None:
     """Run the comparison and print one JSON line per (criterion, ratio, allocation)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--calibration", default=bench.shared_path("data", "wikitext2", "valid.txt"))
-    ap.add_argument("--eval", default=bench.shared_path("data", "wikitext2", "test.txt"))
+    bench.add_data_arguments(ap, model=False)
     ap.add_argument("--criteria", nargs="+", default=["flap"])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.2])
     ap.add_argument("--allocations", nargs="+", default=["global", "calibrated"])
     ap.add_argument("--reconstruct", default="least_squares")
     ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--importance-batches", type=int, default=1,
-                    help=f"calibration batches ({CALIBRATION_BATCH} windows each) the probe removals read")
+    ap.add_argument("--probe-samples", type=int, default=8,
+                    help=f"calibration windows the probe removals read (whole batches of {CALIBRATION_BATCH}: the "
+                         "run's prune.importance_batches)")
     ap.add_argument("--eval-chars", type=int, default=60000)
     ap.add_argument("--measure-dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="scoring runs on a copy in this dtype (a bf16 GPU run's scores); probes, the cut, the refit "
-                         "and the evaluation stay float32")
+                    help="scoring and probes run on a copy in this dtype (a bf16 GPU run's plan); that plan is then "
+                         "applied to the float32 model with the refit (prune.plan), and evaluated in float32")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     bench.set_threads()
@@ -67,15 +72,24 @@ def main(argv: list[str] | None = None) -> None:
     emit({"model": args.model, "method": "dense", "ppl": dense["ppl"], "tokens": dense["tokens"]})
     measure = model if args.measure_dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.measure_dtype))
     scorer = bench.Scorer(measure, calib)
+    importance_batches = max(1, math.ceil(args.probe_samples / CALIBRATION_BATCH))
     for criterion in args.criteria:
         for ratio in args.ratios:
             for allocation in args.allocations:
                 settings = bench.preset_settings(None, ratio=ratio, criterion=criterion, allocation=allocation,
                                                  reconstruct=args.reconstruct, report_layer_importance=[],
-                                                 importance_batches=args.importance_batches)
+                                                 importance_batches=importance_batches)
                 scores = scorer(settings)
-                scores.unit_scores = {k: [t.float() for t in v] for k, v in scores.unit_scores.items()}
-                pruned, plan, seconds = bench.cut_copy(model, settings, calib, scores=scores)
+                if measure is model:
+                    pruned, plan, seconds = bench.cut_copy(model, settings, calib, scores=scores)
+                else:  # the plan of a run in that dtype, then applied to the float32 model with the repair
+                    _, plan, seconds = bench.cut_copy(measure, dataclasses.replace(settings, reconstruct="none"), calib,
+                                                      scores=scores)
+                    with tempfile.TemporaryDirectory() as tmp:
+                        path = Path(tmp) / "plan.json"
+                        path.write_text(json.dumps(plan.to_dict()))
+                        pruned, _, more = bench.cut_copy(model, dataclasses.replace(settings, plan=str(path)), calib)
+                    seconds += more
                 res = bench.perplexity(pruned, evals)
                 probes = plan.meta.get("probes")
                 emit({"model": args.model, "criterion": criterion, "ratio": ratio, "allocation": allocation,

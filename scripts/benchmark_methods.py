@@ -47,6 +47,14 @@ def _allocations() -> list[str]:
     return list(ALLOCATIONS)
 
 
+def _lists(args: argparse.Namespace) -> argparse.Namespace:
+    """The comma-separated options as lists (all registered allocations when none are given)."""
+    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
+    args.reconstruct = [m for m in args.reconstruct.split(",") if m]
+    args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
+    return args
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then cut + evaluate per allocation, each as a run does."""
     from prunelight.evaluation.efficiency import PeakMemory
@@ -173,13 +181,11 @@ def _worker_args(args: argparse.Namespace, name: str, data_file: Path) -> list[s
 
 def main(argv: list[str] | None = None) -> None:
     """Run the criterion x allocation benchmark (or one worker of it)."""
-    from prunelight.atomic import atomic_write_json, atomic_write_text
+    from prunelight.atomic import atomic_write_text
     from prunelight.importance import CRITERIA
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"))
-    p.add_argument("--calibration", default=bench.shared_path("data", "wikitext2", "valid.txt"))
-    p.add_argument("--eval", default=bench.shared_path("data", "wikitext2", "test.txt"))
+    bench.add_data_arguments(p)
     p.add_argument("--criteria", default=",".join(CRITERIA), help="comma-separated names (default: all registered)")
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
@@ -198,20 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="results.md")
     p.add_argument("--json", default=None, help="JSON results (default: --out with .json)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = bench.parse_args(p, argv, lambda a: run_worker(_lists(a)), "--worker")
+    if args is None:  # a worker process: it has answered
+        return
     if not args.model:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED)")
-    torch.set_num_threads(args.threads)
-    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
-    args.reconstruct = [m for m in args.reconstruct.split(",") if m]
-    args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
-
-    if args.worker:
-        atomic_write_json(args.worker_out, run_worker(args))
-        return
+    _lists(args)
 
     criteria = [c for c in args.criteria.split(",") if c]
     unknown = [c for c in criteria if c not in CRITERIA]

@@ -589,11 +589,9 @@ def main(argv: list[str] | None = None) -> None:
     from prunelight.atomic import atomic_write_json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"))
+    bench.add_data_arguments(p)
     p.add_argument("--tiny-family", choices=sorted(TINY_OVERRIDES),
                    help="use a tiny random model of this family and a tiny corpus (peer-failure facts, tests)")
-    p.add_argument("--calibration", default=bench.shared_path("data", "wikitext2", "valid.txt"))
-    p.add_argument("--eval", default=bench.shared_path("data", "wikitext2", "test.txt"))
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
     p.add_argument("--methods", default=None,
                    help=f"prunelight rows: {', '.join(METHOD_KEYS)} (default: all, or none when --grid is given)")
@@ -632,13 +630,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--merge", nargs="*", default=None,
                    help="run nothing: add the rows of these JSON files to --name's JSON, rebuild table and figure")
     p.add_argument("--ratio", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--peer-worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.peer_worker:
-        atomic_write_json(args.worker_out, run_peer_worker(args))
+    args = bench.parse_args(p, argv, run_peer_worker, "--peer-worker")
+    if args is None:  # a worker process: it has answered
         return
 
     ratios = [float(r) for r in args.ratios.split(",") if r]

@@ -183,14 +183,10 @@ def markdown(meta: dict, rows: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the scoring-cost benchmark (or one worker of it)."""
-    from prunelight.atomic import atomic_write_json
     from prunelight.importance import CRITERIA
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"))
-    p.add_argument("--calibration", default=bench.shared_path("data", "wikitext2", "valid.txt"))
-    p.add_argument("--eval", default=bench.shared_path("data", "wikitext2", "test.txt"),
-                   help="held-out text (only checked for overlap with the calibration windows)")
+    bench.add_data_arguments(p)
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama and random ids (seconds; for tests)")
     p.add_argument("--criteria", default=",".join(CRITERIA))
     p.add_argument("--no-naive", action="store_true", help="skip the naive (full weight gradient) variants")
@@ -207,13 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
     p.add_argument("--name", default="scoring_cost")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.worker:
-        atomic_write_json(args.worker_out, run_worker(args))
+    args = bench.parse_args(p, argv, run_worker, "--worker")
+    if args is None:  # a worker process: it has answered
         return
     if not args.tiny and not args.model:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED), or --tiny")

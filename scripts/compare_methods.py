@@ -20,9 +20,7 @@ from prunelight import bench
 def main(argv: list[str] | None = None) -> None:
     """Print one row per method."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"))
-    p.add_argument("--calibration", default=bench.shared_path("data", "wikitext2", "valid.txt"))
-    p.add_argument("--eval", default=bench.shared_path("data", "wikitext2", "test.txt"))
+    bench.add_data_arguments(p)
     p.add_argument("--methods", nargs="+", default=["taylor", "layerwise", "blockwise", "depth"])
     p.add_argument("--ratio", type=float, default=None, help="override every preset's ratio")
     p.add_argument("--reconstruct", default=None, help="override every preset's repair (default: the run's)")
