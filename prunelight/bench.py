@@ -122,6 +122,9 @@ def preset_settings(preset: str | None = None, **overrides: Any) -> PruneSetting
 
     prune: dict[str, Any] = {}
     if preset:
+        if not PRESETS_DIR.is_dir():
+            raise FileNotFoundError(f"method preset {preset!r}: the presets are read from {PRESETS_DIR}, which "
+                                    "only a prunelight checkout has")
         path = PRESETS_DIR / f"{preset}.yaml"
         if not path.is_file():
             known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))

@@ -361,7 +361,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def ratio_to_peer(meta: dict, rows: list[dict]) -> str:
-    """'default / best peer' perplexity at each ratio (the issue's target is <= 0.5)."""
+    """'default / best peer' perplexity at each ratio (the target is <= 0.5)."""
     parts = []
     for ratio in meta["ratios"]:
         at = [r for r in rows if abs(r["target"] - ratio) < 1e-9 and "ppl" in r]
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--importance-batches", type=int, default=None,
                    help="calibration batches for layer/sub-block importance (overrides the presets' 4)")
     p.add_argument("--eval-chars", type=int, default=None,
-                   help="the run's own protocol reads only the first N characters of --eval (the issue: 60000)")
+                   help="the run's own protocol reads only the first N characters of --eval (the reference protocol: 60000)")
     p.add_argument("--protocols", default="own", help="own (the run's: --eval lines, --seq-len windows) and/or "
                    "paper (rows joined by blank lines, BOS once, --paper-seq-len windows)")
     p.add_argument("--paper-seq-len", type=int, default=2048)

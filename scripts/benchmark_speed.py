@@ -12,7 +12,7 @@ GQA groups and MLP channels) at each --ratios, with `align_channels` 1 (no align
 Each model is timed with `prunelight.evaluation.efficiency.measure_speed` (random prompt of --prompt-len
 tokens, then --new-tokens greedy-free decode steps with the KV cache; --warmup runs, then the median of
 --repeats) at each --batch-sizes. Ideal speedup = dense parameters / pruned parameters; the table gives
-measured decode and prefill speedups and their ratio to the ideal (the issue's target: a 20%-pruned aligned
+measured decode and prefill speedups and their ratio to the ideal (the target: a 20%-pruned aligned
 model decodes >= 1.19x dense at batch 1, 95% of the ideal 1.25x). --compile times `torch.compile(model)` too.
 
 To see why an ideal is missed, --mlp-widths times one Llama MLP (gate/up/down, hidden = the synthetic
