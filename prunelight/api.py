@@ -3,8 +3,9 @@
 `prune(model, settings, calibration)` is the run's own cut (`checks.check_run`, then `cut.run_cut`: saved plan or
 scores, scoring, allocation, reconstruction and surgery). `score` is that run's scoring pass alone, and
 `prune(..., scores=...)` the rest of it from those scores (the same `run_cut`, with its default repair): score
-once, cut many ways, and every cut is one a `prunelight fit` run would make. `apply_plan` is `surgery.apply_plan` behind the saved plan's fit
-check; nothing is cut any other way. `import prunelight` stays cheap: the package reaches this module on first use.
+once, cut many ways, and every cut is one a `prunelight fit` run would make. `apply_plan` is `surgery.apply_plan`
+behind the saved plan's fit check; nothing is cut any other way. `import prunelight` stays cheap: the package
+reaches this module on first use.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from prunelight.saved import SavedScores, check_plan_fits, model_facts
 from prunelight.settings import PruneSettings
 from prunelight.surgery import apply_plan as _apply_plan
 
-# What `score` returns and `cut(scores=...)` takes: unit scores and the layer / sub-block measures of one scoring
+# What `score` returns and `prune(scores=...)` takes: unit scores and the layer / sub-block measures of one scoring
 # pass (the same record a saved scores.pt is read into).
 Scores = SavedScores
 

@@ -32,7 +32,7 @@ class RunFacts:
     world_size: int = 1
     num_samples: int | None = None  # data.num_samples
     has_calibration: bool | None = None  # prunelight.prune: whether calibration tokens were given
-    has_scores: bool = False  # prunelight.cut: unit scores were handed in (the criterion reads no text)
+    has_scores: bool = False  # prunelight.prune(scores=...): unit scores handed in (the criterion reads no text)
 
 
 def check_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None, run: RunFacts | None = None) -> None:
