@@ -32,6 +32,7 @@ class RunFacts:
     world_size: int = 1
     num_samples: int | None = None  # data.num_samples
     has_calibration: bool | None = None  # prunelight.prune: whether calibration tokens were given
+    has_scores: bool = False  # prunelight.prune(scores=...): unit scores handed in (the criterion reads no text)
 
 
 def check_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None, run: RunFacts | None = None) -> None:
@@ -95,7 +96,7 @@ def _check_facts(s: PruneSettings, run: RunFacts) -> None:
         if s.reconstruct != "none":
             raise ValueError(f"prune.reconstruct={s.reconstruct!r} needs calibration batches; pass calibration= "
                              "or set reconstruct='none'")
-        if not (s.plan or s.scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
+        if not (s.plan or s.scores or run.has_scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
             raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
                              "(token ids) or use a weight-only criterion such as magnitude")
         if not s.plan and allocation_of(s.allocation).probes:
