@@ -72,4 +72,5 @@ if [[ ! -f "$DIR/password" ]]; then
   sql "CREATE DATABASE $DB OWNER $DB" >/dev/null || die "could not create the database $DB"
   (umask 077 && echo "$PASSWORD" >"$DIR/password")
 fi
-echo "postgresql://$DB:$(cat "$DIR/password")@127.0.0.1:$PORT/$DB" | tee "$DIR/url"
+# +psycopg: SQLAlchemy 2.0 would pick psycopg2 for a bare postgresql:// (2.1 picks psycopg)
+echo "postgresql+psycopg://$DB:$(cat "$DIR/password")@127.0.0.1:$PORT/$DB" | tee "$DIR/url"

@@ -100,12 +100,12 @@ def storage_errors(url: str) -> Iterator[None]:
     except ImportError as err:  # Optuna's own wording hides which module: the driver the URL's dialect imports
         driver = getattr(err.__cause__, "name", None) or "its driver"
         raise PrunelightError(
-            f"sweep.storage={shown!r}: the database driver {driver!r} is not installed (for postgresql:// URLs: "
-            "pip install 'prunelight[postgres]', which brings psycopg)") from None
+            f"sweep.storage={shown!r}: the database driver {driver!r} is not installed (PostgreSQL: pip install "
+            "'prunelight[postgres]', which brings psycopg, and write postgresql+psycopg://...)") from None
     except (sqlalchemy.exc.ArgumentError, ValueError) as err:  # unknown dialect, unreadable URL, bad port
         raise SettingsError(
             f"sweep.storage={shown!r} is not allowed: not a database URL ({_first_line(err)}); use e.g. "
-            "postgresql://user:password@host:5432/db, mysql://..., sqlite:///path.db") from None
+            "postgresql+psycopg://user:password@host:5432/db, mysql://..., sqlite:///path.db") from None
     except sqlalchemy.exc.DBAPIError as err:  # refused, unknown host, bad password, missing database
         why = _first_line(getattr(err, "orig", None) or err)
         raise PrunelightError(f"sweep.storage={shown!r}: cannot open the database: {why}") from None
