@@ -18,7 +18,8 @@ bin_dir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
 install_server() {
   local sudo=()
   if [[ $(id -u) != 0 ]]; then
-    sudo -n true 2>/dev/null || die "PostgreSQL is not installed and installing it needs root: apt-get install postgresql"
+    sudo -n true 2>/dev/null \
+      || die "PostgreSQL is not installed and installing it needs root: apt-get install postgresql"
     sudo=(sudo -n)
   fi
   command -v apt-get >/dev/null || die "PostgreSQL is not installed and this system has no apt-get: install its server"
