@@ -167,7 +167,9 @@ def fail_stale(study, settings: SweepSettings) -> list[int]:
     from optuna.trial import TrialState
 
     storage = study._storage
-    native = getattr(storage, "heartbeat_interval", None) is not None  # RDB: Optuna's heartbeat table
+    # RDB: Optuna's heartbeat table (the study holds the RDBStorage wrapped in Optuna's cache, which passes it on)
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    native = interval is not None and interval() is not None
     # Optuna fails these itself only when a trial starts: a worker waiting for the last running trials would
     # wait for ever on one whose worker died on another node. The database's clock decides, not the nodes'.
     silent = set(storage._get_stale_trial_ids(study._study_id)) if native else set()
