@@ -5,7 +5,8 @@ one study, the grid's points (GridSampler), retries of killed trials (RetryHeart
 Optuna's journal storage lacks is a heartbeat: each worker writes one into the running trial's user
 attributes (`heartbeat`, with its `worker` host:pid), and a trial whose worker process is gone (same host)
 or whose heartbeat is older than 3 intervals is failed as stale and retried. RDB storages use Optuna's own
-heartbeat as well.
+heartbeat instead of the age of ours: a table in the database, judged by the database's clock, so workers on
+nodes whose clocks differ agree on who is dead.
 """
 
 from __future__ import annotations
@@ -101,14 +102,14 @@ def storage_errors(url: str) -> Iterator[None]:
         driver = getattr(err.__cause__, "name", None) or "its driver"
         raise PrunelightError(
             f"sweep.storage={shown!r}: the database driver {driver!r} is not installed (PostgreSQL: pip install "
-            "'prunelight[postgres]', which brings psycopg, and write postgresql+psycopg://...)") from None
+            "'prunelight[postgres]', which brings psycopg, and write postgresql+psycopg://...)") from err
     except (sqlalchemy.exc.ArgumentError, ValueError) as err:  # unknown dialect, unreadable URL, bad port
         raise SettingsError(
             f"sweep.storage={shown!r} is not allowed: not a database URL ({_first_line(err)}); use e.g. "
-            "postgresql+psycopg://user:password@host:5432/db, mysql://..., sqlite:///path.db") from None
+            "postgresql+psycopg://user:password@host:5432/db, mysql://..., sqlite:///path.db") from err
     except sqlalchemy.exc.DBAPIError as err:  # refused, unknown host, bad password, missing database
         why = _first_line(getattr(err, "orig", None) or err)
-        raise PrunelightError(f"sweep.storage={shown!r}: cannot open the database: {why}") from None
+        raise PrunelightError(f"sweep.storage={shown!r}: cannot open the database: {why}") from err
 
 
 def make_sampler(settings: SweepSettings, seed: int | None = None):
