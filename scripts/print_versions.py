@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # The libraries whose internals prunelight touches or whose APIs it drives, in the order a reader looks for them.
 PACKAGES = ("torch", "transformers", "lightning", "peft", "lm_eval", "jsonargparse", "deepspeed", "optuna",
-            "datasets", "torchmetrics", "safetensors", "accelerate", "gguf", "numpy")
+            "sqlalchemy", "psycopg", "datasets", "torchmetrics", "safetensors", "accelerate", "gguf", "numpy")
 
 
 def resolved_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:

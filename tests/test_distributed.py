@@ -8,7 +8,6 @@ multi-GPU or multi-node job does; each rank writes what it holds through `dist_p
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from dist_probe import free_port
 
 from prunelight.pipeline import make_plan
 from prunelight.settings import PruneSettings
@@ -23,12 +23,6 @@ from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 RATIO, SAMPLES, CAL_BATCH = 0.3, 12, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(tmp: Path) -> Path:
@@ -77,7 +71,7 @@ def ddp_run(tmp_path_factory):
     cfg = _job(tmp)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "prunelight", "fit", "--config", str(cfg), "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -83,7 +83,11 @@ def sweep_main(argv: list[str], runner=None) -> int:
     if not report_only:
         from prunelight.sweep.driver import run_sweep, total_trials
         from prunelight.sweep.space import check_keys, check_values, resolved_config
+        from prunelight.sweep.store import open_storage, shown_url
 
+        if settings.storage is not None:  # a bad URL or an unreachable server: one line before any run config
+            open_storage(settings)
+            log.info("sweep: study %r in %s", settings.study_name, shown_url(settings.storage))
         config = resolved_config(settings.base)
         check_keys(settings.space, config, settings.base)
         check_values(settings.space, config)

@@ -87,7 +87,8 @@ class SweepSettings:
     """Name of the Optuna study inside the storage (several sweeps may share one database)."""
     storage: str | None = None
     """Optuna storage: null = a journal file <out_dir>/study.journal (one host); or an RDB URL
-    (postgresql://..., mysql://..., sqlite:///...) for several workers or nodes."""
+    (postgresql+psycopg://user:password@host:5432/db with the `postgres` extra, mysql://..., sqlite:///...) for
+    several workers or nodes."""
     workers: int = 1
     """Worker processes started by this command; more workers may join by running the same command."""
     heartbeat_s: int = 30
@@ -131,7 +132,7 @@ class SweepSettings:
             raise _bad("sweep.study_name", self.study_name, "must be a non-empty name")
         if self.storage is not None and "://" not in str(self.storage):
             raise _bad("sweep.storage", self.storage, "null (a journal file in out_dir) or an RDB URL such as "
-                       "postgresql://user@host/db, mysql://..., sqlite:///path.db")
+                       "postgresql+psycopg://user:password@host/db, mysql://..., sqlite:///path.db")
         _integer("sweep.workers", self.workers, 1)
         _integer("sweep.heartbeat_s", self.heartbeat_s, 1)
         _integer("sweep.max_retries", self.max_retries, 0)

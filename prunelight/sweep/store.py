@@ -5,19 +5,25 @@ one study, the grid's points (GridSampler), retries of killed trials (RetryHeart
 Optuna's journal storage lacks is a heartbeat: each worker writes one into the running trial's user
 attributes (`heartbeat`, with its `worker` host:pid), and a trial whose worker process is gone (same host)
 or whose heartbeat is older than 3 intervals is failed as stale and retried. RDB storages use Optuna's own
-heartbeat as well.
+heartbeat instead of the age of ours: a table in the database, judged by the database's clock, so workers on
+nodes whose clocks differ agree on who is dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from prunelight.errors import PrunelightError, _first_line
+from prunelight.settings import SettingsError
 from prunelight.sweep.space import decode
 from prunelight.sweep.settings import SweepSettings
 
@@ -25,6 +31,7 @@ log = logging.getLogger("prunelight")
 
 JOURNAL_FILE = "study.journal"
 STALE_INTERVALS = 3  # heartbeats missed before a running trial counts as dead
+SCHEMA_TRIES = 5  # attempts to open an RDB storage whose tables other workers are creating at the same moment
 
 
 def worker_id() -> str:
@@ -53,9 +60,56 @@ def open_storage(settings: SweepSettings):
         path = Path(settings.out_dir) / JOURNAL_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
-    return RDBStorage(settings.storage, heartbeat_interval=settings.heartbeat_s,
-                      grace_period=STALE_INTERVALS * settings.heartbeat_s,
-                      failed_trial_callback=retry_callback(settings.max_retries))
+    import warnings
+
+    import sqlalchemy.exc
+    from optuna.exceptions import ExperimentalWarning
+
+    with storage_errors(settings.storage), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)  # the heartbeat: one line per worker otherwise
+        for attempt in range(SCHEMA_TRIES):
+            try:
+                return RDBStorage(settings.storage, heartbeat_interval=settings.heartbeat_s,
+                                  grace_period=STALE_INTERVALS * settings.heartbeat_s,
+                                  heartbeat_stale_trial_callback=retry_callback(settings.max_retries))
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+                # Workers starting at once on a fresh database all create Optuna's tables; PostgreSQL refuses all
+                # but one (duplicate key / relation exists). The others find the tables made on their next try.
+                if attempt == SCHEMA_TRIES - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+
+
+def shown_url(url: str) -> str:
+    """The storage URL with its password masked, for messages and logs."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy reads: mask what looks like user:password@
+        return re.sub(r"(//[^/:@]*:)[^@/]*@", r"\1***@", url)
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn SQLAlchemy's and the driver's errors on opening an RDB storage into one line naming the (masked) URL."""
+    import sqlalchemy.exc
+
+    shown = shown_url(url)
+    try:
+        yield
+    except ImportError as err:  # Optuna's own wording hides which module: the driver the URL's dialect imports
+        driver = getattr(err.__cause__, "name", None) or "its driver"
+        raise PrunelightError(
+            f"sweep.storage={shown!r}: the database driver {driver!r} is not installed (PostgreSQL: pip install "
+            "'prunelight[postgres]', which brings psycopg, and write postgresql+psycopg://...)") from err
+    except (sqlalchemy.exc.ArgumentError, ValueError) as err:  # unknown dialect, unreadable URL, bad port
+        raise SettingsError(
+            f"sweep.storage={shown!r} is not allowed: not a database URL ({_first_line(err)}); use e.g. "
+            "postgresql+psycopg://user:password@host:5432/db, mysql://..., sqlite:///path.db") from err
+    except sqlalchemy.exc.DBAPIError as err:  # refused, unknown host, bad password, missing database
+        why = _first_line(getattr(err, "orig", None) or err)
+        raise PrunelightError(f"sweep.storage={shown!r}: cannot open the database: {why}") from err
 
 
 def make_sampler(settings: SweepSettings, seed: int | None = None):
@@ -114,10 +168,18 @@ def fail_stale(study, settings: SweepSettings) -> list[int]:
     from optuna.trial import TrialState
 
     storage = study._storage
-    native = getattr(storage, "heartbeat_interval", None) is not None  # RDB: Optuna checks the age itself
+    # RDB: Optuna's heartbeat table (the study holds the RDBStorage wrapped in Optuna's cache, which passes it on)
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    native = interval is not None and interval() is not None
+    # Optuna fails these itself only when a trial starts: a worker waiting for the last running trials would
+    # wait for ever on one whose worker died on another node. The database's clock decides, not the nodes'.
+    silent = set(storage._get_stale_trial_ids(study._study_id)) if native else set()
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         why = is_stale(t, settings.heartbeat_s, check_age=not native)
+        if why is None and t._trial_id in silent:
+            why = (f"no heartbeat in the database for {STALE_INTERVALS * settings.heartbeat_s} s "
+                   f"(worker {t.user_attrs.get('worker')})")
         if why is None:
             continue
         try:  # the attributes first: a finished trial cannot be updated
@@ -192,5 +254,16 @@ def results_document(study, settings: SweepSettings) -> dict[str, Any]:
         "space": settings.space,
         "group_by": list(settings.group_by),
         "model_key": settings.model_key,
-        "trials": [trial_row(t) for t in study.get_trials(deepcopy=False)],
+        "trials": stale_by_retry([trial_row(t) for t in study.get_trials(deepcopy=False)]),
     }
+
+
+def stale_by_retry(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark as stale the failed trials that were retried, but not by `fail_stale`: with an RDB storage, Optuna's own
+    heartbeat check (when any worker starts a trial) may fail a dead worker's trial just before `fail_stale` does."""
+    retried = {r["retry_of"] for r in rows if r["retry_of"] is not None}
+    for r in rows:
+        if r["number"] in retried and r["state"] == "FAIL" and not r["stale"]:
+            r["stale"] = True
+            r["error"] = r["error"] or "stale: no heartbeat in the database (failed by Optuna's heartbeat check)"
+    return rows
