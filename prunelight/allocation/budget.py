@@ -283,7 +283,7 @@ def build_plan(budget: Budget, removed: Removed, drop: set[int] | None = None) -
         if not keep_g and not keep_c:
             drop.add(i)
         layers.append(LayerPlan(keep_g, keep_c))
-    if len(drop) == budget.num_layers:
+    if len(drop) == budget.num_layers:  # each row's pre-check refuses this before any data (direct calls hear it)
         raise ValueError("this allocation would remove every decoder layer; lower the ratio")
     return PrunePlan(layers=layers, num_groups=list(budget.n_groups), num_channels=list(budget.n_chans),
                      drop_layers=sorted(drop))

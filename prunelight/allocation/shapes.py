@@ -30,6 +30,10 @@ def _free_sizes(budget: Budget, settings: PruneSettings, shape: Shape) -> None:
     share = settings.attn_share
     if share is not None:
         kind_targets(budget, share)  # each side can give its share of the budget
+    m = settings.align_channels
+    if m > 1 and m > min(budget.n_chans):  # align_channels' own refusal, before any data
+        raise ValueError(f"prune.align_channels={m} is not allowed: it exceeds the {min(budget.n_chans)} MLP channels "
+                         "of the model's narrowest layer; use a smaller multiple")
 
 
 def _finish_free(inp: AllocationInputs, r: Removal) -> Removal:
