@@ -245,9 +245,9 @@ def check_scores_cover(saved: SavedScores, settings) -> None:
                          f"(prune.report_layer_importance: [{settings.layer_importance}]), or choose "
                          f"prune.layer_importance among those it has")
     if row.block_removal(settings) and not saved.block_importance:
-        raise ValueError(f"{src} has no sub-block removal importance, which block_importance=removal needs: make the "
-                         "scores with a run of prune.allocation=blockwise and prune.block_importance=removal, or "
-                         "use block_importance=units")
+        raise ValueError(f"{src} has no sub-block removal importance, which allocation {alloc} with "
+                         "block_importance=removal needs: make the scores with a run of these settings, or use "
+                         "block_importance=units")
 
 
 def check_scores_fit_config(saved: SavedScores, settings, config) -> None:
