@@ -108,8 +108,8 @@ def test_zero3_with_a_measuring_allocation_is_refused_from_the_config():
     assert plan.budget is not None and plan.row.name == "global"
 
 
-def test_the_plan_carries_the_budget_row_and_options_made_once(monkeypatch):
-    """make_budget and check_shape run once per prunelight.prune: the cut takes the plan's budget as it is."""
+def _count_checks(monkeypatch) -> dict[str, int]:
+    """Count make_budget and check_shape calls wherever the package reaches them."""
     import prunelight.allocation as allocation
     import prunelight.run_plan as run_plan
 
@@ -124,11 +124,24 @@ def test_the_plan_carries_the_budget_row_and_options_made_once(monkeypatch):
     counted("make_budget", allocation, allocation.make_budget)
     counted("check_shape", run_plan, run_plan.check_shape)
     counted("check_shape", allocation, allocation.check_shape)
+    return calls
+
+
+def test_prune_makes_the_budget_and_checks_the_shape_once(monkeypatch):
+    """The cut takes the plan's budget as it is, also through the split search's many allocations."""
+    calls = _count_checks(monkeypatch)
     calibration = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(0))
     model, plan = prunelight.prune(tiny_model(), {"criterion": "magnitude", "allocation": "calibrated",
                                                   "attn_mlp_split": "auto", "reconstruct": "none"}, calibration)
     assert calls == {"make_budget": 1, "check_shape": 1}
     assert plan.meta["allocation"] == "calibrated" and plan.meta["split_search"]["tried"]
+
+
+def test_a_cli_run_makes_the_budget_and_checks_the_shape_once(monkeypatch, job):
+    calls = _count_checks(monkeypatch)
+    cli = _fit(job, "--trainer.fast_dev_run=true", "--prune.allocation=global", "--export.format=stock")
+    assert cli.model.plan is not None and cli.job_callbacks[0].run_plan.budget is not None
+    assert calls == {"make_budget": 1, "check_shape": 1}
 
 
 def test_a_saved_plan_has_no_budget_and_a_free_plan_counts_the_twin():

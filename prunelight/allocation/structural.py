@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed
 from prunelight.allocation.stock import allocate_uniform_shape
-from prunelight.allocation.width import asked, global_width
+from prunelight.allocation.width import asked, check_keeps_a_layer, global_width
 from prunelight.importance.base import UnitScores
 
 
@@ -29,7 +29,8 @@ def _remove_block(budget: Budget, removed: Removed, kind: str, i: int) -> int:
 def check_blockwise(budget: Budget, settings, shape: Shape) -> None:
     """Without fill_width, whole sub-blocks must reach the budget whichever one importance keeps last (the last is
     never removed): model sizes only, so `blockwise`'s own shortfall refusal is unreachable after scoring."""
-    if settings.fill_width:
+    if settings.fill_width:  # width pruning takes the rest: with min_groups = min_channels = 0 it could empty all
+        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)
         return
     totals = [_block_total(budget, k, i) for k in ("attn", "mlp") for i in range(budget.num_layers)
               if budget.sizes(k)[i]]
@@ -47,6 +48,7 @@ def check_depth(budget: Budget, settings, shape: Shape) -> None:
     total, largest = sum(sizes), max(sizes)
     if settings.fill_width:
         every = budget.target >= total  # layers go while they fit in the target
+        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)  # width fills the kept ones
     else:
         if 2 * budget.target < largest:  # the first layer in the order must be nearer the target than nothing
             raise ValueError(f"{asked(settings)} is not allowed with allocation depth and fill_width: false: it asks "
