@@ -39,7 +39,7 @@ def test_card_reads_the_record_defensively():
     assert "Query heads: 28 in each of 2 layers" in card and "MLP width: 11264 in each of 2 layers" in card
     assert '"loss": "kl"' in card and "| recovered | 12.50 |" in card
     assert "Stock `mistral` config (`MistralForCausalLM`)" in card
-    # Engines nothing here ran are named only as not run (issue 26: the card claimed all four read the folder).
+    # Engines nothing here ran are named only as not run (an earlier card claimed all four read the folder).
     for engine in ("llama.cpp", "TGI", "TensorRT-LLM"):
         line = next(ln for ln in card.splitlines() if engine in ln)
         assert "Not run by prunelight: llama.cpp (convert_hf_to_gguf.py), TGI and TensorRT-LLM" in line
