@@ -8,7 +8,8 @@
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
 - `calibrated` (the default): the global knapsack on scores rescaled per sub-block by the measured
   calibration-loss increase of a probe removal (calibrated.py: the row's own measurement), each sub-block capped
-  at `prune.allocation_args.reach` x its probe; under a stock or served layout, global's shape search on the rescaled scores.
+  at `prune.allocation_args.reach` x its probe; under a stock or served layout, global's shape search on the
+  rescaled scores.
 Any of them can split the budget x:y between attention and MLP (global, layerwise, calibrated) and round kept
 MLP channels to a hardware-friendly multiple.
 
@@ -51,8 +52,8 @@ from prunelight.plan import PrunePlan
 if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
     from prunelight.settings import PruneSettings
 
-__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "MeasureInputs", "Removal", "Shape", "allocate", "allocation_of",
-           "check_shape", "count_params", "decoder_params", "make_budget", "precheck", "register", "shape_of_format"]
+__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "MeasureInputs", "Removal", "Shape", "allocate",
+           "allocation_of", "check_shape", "count_params", "decoder_params", "make_budget", "precheck", "register", "shape_of_format"]
 
 
 def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
