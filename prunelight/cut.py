@@ -78,17 +78,17 @@ class CutResult:
 
 def prepare_cut(model: nn.Module, run: RunPlan, calibration: dict[str, Any] | None = None,
                 twin: nn.Module | None = None) -> CutSource:
-    """Read the saved plan, or take the run plan's budget and read the saved scores and check their key (no data).
+    """The saved plan, or the run plan's budget and the saved scores with their key checked on the weights (no data).
 
     `twin`: a weightless copy that stands in for ZeRO-3 partitioned weights in the plan's fit check;
     `calibration` is the scores key's calibration identity (the key holds a fingerprint of the loaded weights).
     """
     settings = run.settings
-    if settings.plan:
-        return CutSource(plan=load_plan_checked(twin or model, settings.plan))
+    if settings.plan:  # read and checked by the run plan (a plan made without a config reads it here)
+        return CutSource(plan=run.saved_plan or load_plan_checked(twin or model, settings.plan))
     saved = None
     if settings.scores:
-        saved = load_scores(settings.scores)
+        saved = run.saved_scores or load_scores(settings.scores)
         check_key(saved.key, scores_key(model, settings, calibration or {}), settings.scores, parts=RUN_KEY_PARTS)
     return CutSource(budget=run.budget, saved=saved)
 

@@ -26,7 +26,8 @@ from prunelight.allocation import Allocation, Budget, Shape, allocation_of, chec
 from prunelight.allocation.shapes import SHAPES
 from prunelight.families import unwrap
 from prunelight.checks import check_deepspeed_criterion, check_facts, check_teacher_config, check_widths
-from prunelight.saved import check_saved_inputs
+from prunelight.plan import PrunePlan
+from prunelight.saved import SavedScores, read_saved_inputs
 from prunelight.settings import PruneSettings
 
 
@@ -54,6 +55,8 @@ class RunPlan:
     row: Allocation  # the registry row of settings.allocation
     budget: Budget | None = None  # counted on the config's twin; None with a saved plan (it fixes the cut)
     facts: RunFacts | None = None
+    saved_plan: PrunePlan | None = None  # prune.plan, read once and checked against the config
+    saved_scores: SavedScores | None = None  # prune.scores, read once (its weights fingerprint is checked at the cut)
 
     @property
     def options(self) -> Any:
@@ -84,7 +87,7 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
     if run is not None and run.distillation is not None and run.teacher_config is not None:
         check_teacher_config(run.distillation, config, run.teacher_config)
     check_widths(settings, config)
-    check_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
+    saved_plan, saved_scores = read_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
     twin = model if model is not None else shape_twin_of(config)
     if run is not None and run.deepspeed:
         check_deepspeed_criterion(settings, twin)
@@ -94,7 +97,7 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
             SHAPES[shape].check_config(config)
     else:
         budget = precheck(twin, settings, shape)  # the shape's config check, the row's and the shape's size checks
-    return RunPlan(settings, shape, row, budget, run)
+    return RunPlan(settings, shape, row, budget, run, saved_plan, saved_scores)
 
 
 def shape_twin_of(config) -> nn.Module:
