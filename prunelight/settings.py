@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from prunelight.allocation.base import Shape
+from prunelight.allocation.base import Allocation, Shape
 from prunelight.allocation.registry import ALLOCATIONS as ALLOCATION_ROWS
 from prunelight.allocation.registry import allocation_of, names_with
 from prunelight.allocation.shapes import EXPORT_SHAPES, shape_of_format
@@ -290,6 +290,11 @@ class PruneSettings:
     def target(self):
         """The parsed deployment target (`allocation.targets.Target`), or None when `ratio` is the budget."""
         return self._target
+
+    @property
+    def row(self) -> Allocation:
+        """The registry row of `allocation` (what it needs, honours and checks)."""
+        return allocation_of(self.allocation)
 
     @property
     def allocation_options(self) -> Any:

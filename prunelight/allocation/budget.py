@@ -108,10 +108,7 @@ def make_budget(model: nn.Module, settings: PruneSettings) -> Budget:
     if goal is None:
         target = int(round(ratio * total))
     elif goal.kind == "kv_cache":
-        from prunelight.allocation.registry import allocation_of  # the registry's rows import this module
-
-        per_layer = allocation_of(settings.allocation).kv_per_layer
-        kv_groups = kv_groups_to_remove(goal, n_groups, hd, min_groups, per_layer)
+        kv_groups = kv_groups_to_remove(goal, n_groups, hd, min_groups, settings.row.kv_per_layer)
         target = kv_groups * g_cost
     else:
         target = params_to_remove(goal, total)
