@@ -1,5 +1,5 @@
 """Process setup done by `prunelight`'s `main()` (never at import): offline mode for local runs, a fast hub check,
-DeepSpeed's import-time logging kept off stdout."""
+DeepSpeed's import-time logging kept off stdout, Lightning's advertising tips dropped."""
 
 from __future__ import annotations
 
@@ -112,3 +112,26 @@ def deepspeed_logs_to_stderr() -> None:
             import deepspeed  # noqa: F401
     except Exception:  # a broken DeepSpeed install is reported by Lightning if the run asks for it
         pass
+
+
+# Lightning's rank-zero info logger(s): whichever of these `rank_zero_info` writes to in this version.
+_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def _not_a_tip(record) -> bool:
+    """False for Lightning's advertising lines ("💡 Tip: ... try installing litlogger / litmodels")."""
+    return "Tip:" not in str(record.msg) or "pypi.org/project/lit" not in str(record.msg)
+
+
+def quiet_lightning_tips() -> None:
+    """Drop the two "💡 Tip: ... litlogger / litmodels" lines Lightning logs at the start of every run.
+
+    What a run prints is prunelight's: the tips advertise optional cloud services and say nothing about the run.
+    Every other Lightning message passes (the filter is added once per logger).
+    """
+    import logging
+
+    for name in _LIGHTNING_INFO_LOGGERS:
+        logger = logging.getLogger(name)
+        if _not_a_tip not in logger.filters:
+            logger.addFilter(_not_a_tip)

@@ -58,7 +58,7 @@ def check_facts(s: PruneSettings, row: Allocation, run: RunFacts) -> None:
         if s.reconstruct != "none":
             raise ValueError(f"prune.reconstruct={s.reconstruct!r} needs calibration batches; pass calibration= "
                              "or set reconstruct='none'")
-        if not (s.plan or s.scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
+        if not (s.plan or s.scores or run.has_scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
             raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
                              "(token ids) or use a weight-only criterion such as magnitude")
         if not s.plan and row.measure is not None:

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+import jsonargparse
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
@@ -122,6 +123,9 @@ def cli_main(args: list[str] | None = None, run: bool = True):
     if not _env.offline_if_local(argv):
         _env.offline_if_unreachable()
     _env.deepspeed_logs_to_stderr()
+    _env.quiet_lightning_tips()
+    # `--help` shows each settings field's docstring (the attribute docstrings under every field).
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     quiet = {"exit_on_error": False}  # parse errors raise, and main() prints them as one line
     return PrunelightCLI(
         PruneLM,

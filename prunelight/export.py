@@ -238,16 +238,17 @@ def license_files(folder: str | Path | None) -> list[Path]:
 
 
 def export_pretrained(model: nn.Module, out_dir: str | Path, tokenizer=None, format: str = "auto",
-                      card: str | None = None, license_from: str | Path | None = None) -> Path:
+                      card: str | None = None, license_from: str | Path | None = None, config=None) -> Path:
     """Write safetensors weights, config, tokenizer (and the modeling file when shapes differ) atomically.
 
     `format` as in `export_config`; `card` is written as README.md and the license files of a local
-    `license_from` folder are copied, inside the same atomic folder write.
+    `license_from` folder are copied, inside the same atomic folder write. `config`: `export_config(model,
+    format)` already made by the caller (its layout choice is then said once per run, not once per call).
     """
     base = unwrap(model)
     if hasattr(base, "peft_config") or any("lora_" in n for n, _ in base.named_parameters()):
         raise ValueError("merge LoRA adapters before export (prunelight.recovery.merge_lora)")
-    config = export_config(base, format)
+    config = export_config(base, format) if config is None else config
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         architectures = list(config.architectures)

@@ -103,6 +103,15 @@ def make_plan(
     return plan, scores
 
 
+def scoring_pass(model: nn.Module, batches: Sequence[torch.Tensor], settings: PruneSettings,
+                 reduce_sum: ReduceSum | None = None) -> SavedScores:
+    """`make_plan`'s scoring pass alone, as scores a cut re-allocates from (`run_cut(scores=...)`): unit scores,
+    the layer measures the allocation and `report_layer_importance` ask for, sub-block removal when asked."""
+    scores, measured, block_scores, samples, _ = _score(model, list(batches), settings, reduce_sum, sharded=False)
+    return SavedScores(unit_scores=scores, key={}, layer_importance=dict(measured), block_importance=block_scores,
+                       provenance={"samples": samples})
+
+
 def load_plan_checked(model: nn.Module, source: str) -> PrunePlan:
     """A saved plan (plan.json, report.json or .ckpt), refused unless it fits `model`'s architecture and shapes."""
     plan, applies_to = load_plan(source)
@@ -178,7 +187,7 @@ def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings
                   extras: dict, batches, reduce_sum) -> tuple[int, dict]:
     """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest.
 
-    `extras`: what `allocate` needs beyond the scores (layer_scores, probes), the same for every try."""
+    `extras`: what `allocate` needs beyond the scores (layer_scores, measured), the same for every try."""
     first = allocate(budget, scores, settings, shape=Shape.UNIFORM, **extras)
     cands = first.meta["stock_shapes"]["candidates"]
     tried = []

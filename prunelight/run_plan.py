@@ -42,6 +42,7 @@ class RunFacts:
     world_size: int = 1
     num_samples: int | None = None  # data.num_samples
     has_calibration: bool | None = None  # prunelight.prune: whether calibration tokens were given
+    has_scores: bool = False  # prunelight.prune(scores=...): unit scores handed in (the criterion reads no text)
     distillation: Any = None  # model.distillation (DistillationSettings), or None
     teacher_config: Any = None  # the config of model.distillation.teacher, when one is named
 

@@ -1,9 +1,10 @@
 """Every importance criterion x every allocation at one prune ratio, without recovery.
 
 For each criterion in the registry, a fresh subprocess loads the model and the pre-tokenized data,
-scores every unit once (timed; peak memory read from the process's own high-water mark), then for
-each allocation registered in `prunelight.allocation.ALLOCATIONS` allocates the budget, cuts a fresh
-copy of the model and measures WikiText-2 perplexity. Results go to a Markdown table (stdout and
+scores every unit once with `prunelight.score` (timed; peak memory read from the process's own high-water
+mark), then for each allocation registered in `prunelight.allocation.ALLOCATIONS` cuts a fresh copy of the
+model with `prunelight.prune` from those scores (allocation, repair and surgery as a run makes them) and
+measures WikiText-2 perplexity. Results go to a Markdown table (stdout and
 --out) and JSON (--json), both written atomically.
 
 Peak memory: `prunelight.evaluation.efficiency.PeakMemory`, the same measurement as the report's. On
@@ -22,13 +23,10 @@ Quick check:
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,128 +34,67 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
+import torch  # noqa: E402
 
 
-ROOT = Path(__file__).resolve().parents[1]
-# Each allocation runs with the `prune:` settings of its method preset (configs/methods/*.yaml), so the
-# table measures what `prunelight fit --config ... --config configs/methods/X.yaml` does.
-PRESETS = {"global": "taylor", "layerwise": "layerwise", "blockwise": "blockwise", "depth": "depth"}
-# Blockwise ranks sub-blocks by the criterion's own unit scores here, so the table compares criteria rather
-# than the preset's removal measure.
-OVERRIDES = {"blockwise": {"block_importance": "units"}}
-
-
-def allocation_settings(method: str, criterion: str, criterion_args: dict, ratio: float, extra: dict):
-    """The PruneSettings of one table cell: the method's preset, then the overrides and --allocation-args."""
-    import yaml
-
-    from prunelight.settings import PruneSettings
-
-    prune = {}
-    if method in PRESETS:
-        prune = yaml.safe_load((ROOT / "configs" / "methods" / f"{PRESETS[method]}.yaml").read_text())["prune"]
-    prune.update(OVERRIDES.get(method, {}))
-    prune.update(extra)
-    prune.update(allocation=method, criterion=criterion, criterion_args=criterion_args, ratio=ratio)
-    return PruneSettings(**prune)
+from prunelight import bench  # noqa: E402
 
 
 def _allocations() -> list[str]:
-    """Allocation methods registered at run time (a tuple of names or a name -> function mapping)."""
-    from prunelight import allocation
+    """Allocation methods registered at run time (the registry's rows)."""
+    from prunelight.allocation import ALLOCATIONS
 
-    return list(allocation.ALLOCATIONS)
-
-
-def _load_model(path: str, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device).eval()
+    return list(ALLOCATIONS)
 
 
-def prepare_data(args: argparse.Namespace, data_file: Path) -> dict:
-    """Tokenize calibration windows and evaluation blocks once; save them for the workers."""
-    from prunelight.data import PruneDataModule, TextSource
-
-    eval_blocks = args.eval_tokens // args.seq_len if args.eval_tokens else None
-    if eval_blocks == 0:
-        raise ValueError(f"--eval-tokens {args.eval_tokens} is shorter than one block of --seq-len {args.seq_len}")
-    dm = PruneDataModule(
-        calibration=TextSource(path=str(args.calibration)),
-        eval=TextSource(path=str(args.eval)),
-        tokenizer=str(args.model),
-        num_samples=args.samples,
-        seq_len=args.seq_len,
-        calibration_batch_size=args.batch_size,
-        eval_batch_size=args.eval_batch_size,
-        max_eval_blocks=eval_blocks,
-        seed=args.seed,
-    )
-    dm.setup()
-    torch.save({"calib": dm.calib_blocks, "eval": dm.eval_blocks}, data_file)
-    return {"calibration_samples": int(dm.calib_blocks.shape[0]), "eval_blocks": int(dm.eval_blocks.shape[0])}
+def _lists(args: argparse.Namespace) -> argparse.Namespace:
+    """The comma-separated options as lists (all registered allocations when none are given)."""
+    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
+    args.reconstruct = [m for m in args.reconstruct.split(",") if m]
+    args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
+    return args
 
 
 def run_worker(args: argparse.Namespace) -> dict:
-    """Score with one criterion (timed, peak memory), then allocate + cut + evaluate per allocation."""
-    from prunelight.allocation import allocation_of
-    from prunelight.calibration import run_calibration
-    from prunelight.cut import measured_scores, run_cut
+    """Score with one criterion (timed, peak memory), then cut + evaluate per allocation, each as a run does."""
     from prunelight.evaluation.efficiency import PeakMemory
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-    from prunelight.importance import build_criterion
-    from prunelight.layer_importance import layer_importances
 
     device = torch.device(args.device)
-    model = _load_model(args.model, device)
-    data = torch.load(args.data_file)
-    calib = list(torch.split(data["calib"], args.batch_size))
-    evals = list(torch.split(data["eval"], args.eval_batch_size))
+    model = bench.load_model(args.model, device)
+    data = bench.TokenData.load(args.data_file)
+    calib, evals = data.calibration_batches(args.batch_size), data.eval_batches(args.eval_batch_size)
     result: dict = {"criterion": args.worker, "rows": []}
     if args.worker == "dense":
-        ppl = evaluate_perplexity(model, evals)
+        ppl = bench.perplexity(model, evals)
         result["rows"].append({"allocation": "-", "ppl": ppl["ppl"], "eval_tokens": ppl["tokens"], "params_removed": 0})
         return result
 
     criterion_args = json.loads(args.criterion_args).get(args.worker, {})
-    criterion = build_criterion(args.worker, **criterion_args)
-    with PeakMemory(device) as mem:
-        t0 = time.perf_counter()
-        scores = run_calibration(model, calib if criterion.needs_data else [], criterion)
-        result["scoring_s"] = time.perf_counter() - t0
+    scorer = bench.Scorer(model, calib)
+    with PeakMemory(device) as mem:  # the unit scores every cell shares: the criterion's own scoring pass
+        scores = scorer(bench.preset_settings(None, criterion=args.worker, criterion_args=criterion_args,
+                                              report_layer_importance=[]))
+    result["scoring_s"] = scorer.seconds[args.worker]
     if mem.peak is not None:  # None off Linux/CUDA: the table shows "—"
         result["peak_mib"], result["scoring_extra_mib"] = mem.peak / 2**20, mem.rise / 2**20
-    result["samples"] = criterion.num_samples
+    result["samples"] = scores.samples
 
     extra_args = json.loads(args.allocation_args)
     for method in args.allocations:
         row: dict = {"allocation": method}
         try:
-            settings = allocation_settings(method, args.worker, criterion_args, args.ratio,
-                                           extra_args.get(method, {}))
-            measured = {}
-            if allocation_of(method).layer_importance:  # measured once on the dense model, as make_plan does
-                name = settings.layer_importance
-                measured[name] = layer_importances(model, calib[:settings.importance_batches], [name])[name]
-            saved = measured_scores(scores, measured, criterion.num_samples)  # scored once, allocated per cell
+            settings = bench.cell_settings(method, args.worker, args.ratio, criterion_args,
+                                           **extra_args.get(method, {}))
+            scores = scorer(settings)  # scored once; a layer measure the allocation needs measured once, added
             modes = ["none"] + (args.reconstruct if method in args.reconstruct_allocations else [])
             for mode in modes:
-                label = method if mode == "none" else f"{method}+{mode}"
-                row = {"allocation": label}
-                pruned = copy.deepcopy(model)
-                t0 = time.perf_counter()
-                plan = run_cut(pruned, calib, dataclasses.replace(settings, reconstruct=mode), scores=saved).plan
-                ppl = evaluate_perplexity(pruned, evals)
-                row.update(
-                    ppl=ppl["ppl"],
-                    eval_tokens=ppl["tokens"],
-                    params_removed=plan.meta["params_removed"],
-                    removed_fraction=plan.meta["removed_fraction_total"],
-                    params_after=sum(p.numel() for p in pruned.parameters()),
-                    cut_s=time.perf_counter() - t0,
-                )
+                row = {"allocation": method if mode == "none" else f"{method}+{mode}"}
+                pruned, plan, seconds = bench.cut_copy(model, dataclasses.replace(settings, reconstruct=mode), calib,
+                                                       scores=scores)
+                ppl = bench.perplexity(pruned, evals)
+                row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_removed=plan.meta["params_removed"],
+                           removed_fraction=plan.meta["removed_fraction_total"],
+                           params_after=bench.count_params(pruned), cut_s=seconds)
                 del pruned
                 result["rows"].append(row)
             continue
@@ -231,9 +168,9 @@ def _pivot(meta: dict, results: list[dict]) -> list[str]:
     return lines
 
 
-def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: Path) -> list[str]:
+def _worker_args(args: argparse.Namespace, name: str, data_file: Path) -> list[str]:
     return [
-        sys.executable, __file__, "--worker", name, "--worker-out", str(out_file), "--data-file", str(data_file),
+        __file__, "--worker", name, "--data-file", str(data_file),
         "--model", str(args.model), "--ratio", str(args.ratio), "--batch-size", str(args.batch_size),
         "--eval-batch-size", str(args.eval_batch_size), "--device", args.device, "--threads", str(args.threads),
         "--allocations", ",".join(args.allocations), "--criterion-args", args.criterion_args,
@@ -244,15 +181,11 @@ def _worker_cmd(args: argparse.Namespace, name: str, data_file: Path, out_file: 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the criterion x allocation benchmark (or one worker of it)."""
+    from prunelight.atomic import atomic_write_text
     from prunelight.importance import CRITERIA
-    from prunelight.atomic import atomic_write_json, atomic_write_text
-    from prunelight.testing import shared_dir
 
-    shared = shared_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
-    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
-    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
+    bench.add_data_arguments(p)
     p.add_argument("--criteria", default=",".join(CRITERIA), help="comma-separated names (default: all registered)")
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
@@ -271,20 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="results.md")
     p.add_argument("--json", default=None, help="JSON results (default: --out with .json)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = bench.parse_args(p, argv, lambda a: run_worker(_lists(a)), "--worker")
+    if args is None:  # a worker process: it has answered
+        return
     if not args.model:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED)")
-    torch.set_num_threads(args.threads)
-    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
-    args.reconstruct = [m for m in args.reconstruct.split(",") if m]
-    args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
-
-    if args.worker:
-        atomic_write_json(args.worker_out, run_worker(args))
-        return
+    _lists(args)
 
     criteria = [c for c in args.criteria.split(",") if c]
     unknown = [c for c in criteria if c not in CRITERIA]
@@ -293,36 +218,32 @@ def main(argv: list[str] | None = None) -> None:
         p.error(
             f"unknown criteria {unknown} / allocations {bad_alloc}; available: {sorted(CRITERIA)} / {_allocations()}"
         )
-    from transformers import AutoConfig
-
-    from prunelight.allocation import count_params
-
     with tempfile.TemporaryDirectory(prefix="prunelight-bench-") as tmp:
-        data_file = Path(tmp) / "data.pt"
         t0 = time.perf_counter()
-        data_meta = prepare_data(args, data_file)
+        data = bench.token_data(args.model, args.calibration, args.eval, samples=args.samples, seq_len=args.seq_len,
+                                seed=args.seed, eval_tokens=args.eval_tokens)
+        data_file = data.save(Path(tmp) / "data.pt")
+        data_meta = {"calibration_samples": int(data.calib.shape[0]), "eval_blocks": int(data.eval.shape[0])}
         print(f"data prepared in {time.perf_counter() - t0:.1f}s: {data_meta}", flush=True)
         results = []
         for name in ["dense", *criteria]:
-            out_file = Path(tmp) / f"{name}.json"
             t0 = time.perf_counter()
-            proc = subprocess.run(_worker_cmd(args, name, data_file, out_file), check=False)
-            if proc.returncode != 0 or not out_file.exists():  # keep the other criteria of a long run
-                err = f"worker exited with status {proc.returncode} (see its traceback above)"
-                results.append({"criterion": name, "rows": [{"allocation": a, "error": err} for a in args.allocations]})
+            res = bench.run_worker(_worker_args(args, name, data_file), threads=args.threads)
+            if "error" in res:  # keep the other criteria of a long run
+                results.append({"criterion": name, "rows": [{"allocation": a, "error": res["error"]}
+                                                            for a in args.allocations]})
                 if name == "dense":
-                    raise SystemExit(f"the dense baseline failed: {err}")
+                    raise SystemExit(f"the dense baseline failed: {res['error']}")
                 continue
-            results.append(json.loads(out_file.read_text()))
+            results.append(res)
             print(f"{name}: done in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    config = AutoConfig.from_pretrained(args.model)
-    model = _load_model(args.model, torch.device("cpu"))
+    model = bench.load_model(args.model)
     meta = {
         "model": str(args.model),
         "model_name": Path(args.model).name,
-        "model_type": config.model_type,
-        "params_total": count_params(model),
+        "model_type": model.config.model_type,
+        "params_total": bench.count_params(model),
         "ratio": args.ratio,
         "seq_len": args.seq_len,
         "seed": args.seed,
@@ -344,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     table = _markdown(meta, results)
     print(f"\nevaluated on {meta['eval_tokens']:,} tokens ({meta['eval_blocks']} blocks)\n")
     print(table)
+    json_path = Path(args.json or Path(args.out).with_suffix(".json"))
+    bench.write_results(json_path.with_suffix(""), {"meta": meta, "results": results})
     atomic_write_text(args.out, table)
-    atomic_write_json(args.json or str(Path(args.out).with_suffix(".json")), {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Quality vs size, side by side with a peer: WikiText-2 perplexity at 10-50% of parameters removed, no recovery.
 
 Every method sees the same calibration windows (WikiText-2 valid, 128 x 128 tokens, seed 0) and the same
-evaluation blocks (WikiText-2 test, 65,024 scored tokens), prepared once by
-`scripts/benchmark_methods.py::prepare_data`, and is scored by `prunelight.evaluation.perplexity`.
+evaluation blocks (WikiText-2 test, 65,024 scored tokens), prepared once by `prunelight.bench.token_data`
+(as a run's data module makes them), and is scored by the run's perplexity (`prunelight.bench.perplexity`).
 
-prunelight methods (one process, scores computed once per criterion, a fresh copy cut per ratio):
+prunelight methods (one process, scores computed once per criterion with `prunelight.score`, a fresh copy cut
+per ratio with `prunelight.prune` from them, as a run cuts):
   default (flap + least_squares), the two best criteria of results/criteria.md with and without
   reconstruction (flap, wanda_sp), and the baselines magnitude, random and depth (no reconstruction).
 Torch-Pruning (the peer), following its examples/LLMs/prune_llm.py (MetaPruner, per-projection `num_heads`,
@@ -34,13 +35,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import importlib
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +48,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
+import torch  # noqa: E402
+
+from prunelight import bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # label -> (criterion, preset or allocation, reconstruction)
 METHODS = {
@@ -82,38 +82,19 @@ TINY_OVERRIDES = {  # the tiny families of prunelight.testing, made to show the 
 
 # --------------------------------------------------------------------------------------------- prunelight
 def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], on_row) -> None:
-    """Score once per criterion, then per ratio allocate, cut a fresh copy (and reconstruct), evaluate."""
-    from benchmark_methods import allocation_settings
-
-    from prunelight.allocation import allocation_of
-    from prunelight.calibration import run_calibration
-    from prunelight.cut import measured_scores, run_cut
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-    from prunelight.importance import build_criterion
-    from prunelight.layer_importance import layer_importances
-
-    scores_of: dict[str, object] = {}
-    layer_of: dict[str, list[float]] = {}
-    total = sum(p.numel() for p in model.parameters())
+    """Score once per criterion, then per ratio cut a fresh copy (allocation and repair as a run), evaluate."""
+    scorer = bench.Scorer(model, calib)
+    total = bench.count_params(model)
     for label in labels:
         criterion, method, mode = METHODS[label]
         for ratio in ratios:
             row: dict = {"method": label, "kind": "prunelight", "target": ratio}
             t0 = time.perf_counter()
             try:
-                settings = allocation_settings(method, criterion, {}, ratio, {})
-                settings = dataclasses.replace(settings, reconstruct=mode)
-                if criterion not in scores_of:
-                    crit = build_criterion(criterion)
-                    scores_of[criterion] = run_calibration(model, calib if crit.needs_data else [], crit)
-                if allocation_of(method).layer_importance:  # measured once on the dense model
-                    name = settings.layer_importance
-                    if name not in layer_of:
-                        layer_of[name] = layer_importances(model, calib[: settings.importance_batches], [name])[name]
-                pruned = copy.deepcopy(model)
-                run_cut(pruned, calib, settings, scores=measured_scores(scores_of[criterion], layer_of))
-                after = sum(p.numel() for p in pruned.parameters())
-                ppl = evaluate_perplexity(pruned, evals)
+                settings = bench.cell_settings(method, criterion, ratio, reconstruct=mode)
+                pruned, _, _ = bench.cut_copy(model, settings, calib, scores=scorer(settings))
+                after = bench.count_params(pruned)
+                ppl = bench.perplexity(pruned, evals)
                 row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=after,
                            removed=1 - after / total, seconds=time.perf_counter() - t0)
                 del pruned
@@ -180,9 +161,7 @@ def plan_summary(plan) -> dict:
 
 def evaluate_protocols(model, protocols: dict[str, list]) -> dict:
     """Perplexity under each protocol: {'own': {...}, 'paper': {...}} with ppl, nll, tokens."""
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-
-    return {name: evaluate_perplexity(model, batches) for name, batches in protocols.items()}
+    return {name: bench.perplexity(model, batches) for name, batches in protocols.items()}
 
 
 def zeroshot_result(model, tokenizer, data_dir: str, limit: int, batch_size: int) -> dict:
@@ -207,18 +186,9 @@ def zeroshot_result(model, tokenizer, data_dir: str, limit: int, batch_size: int
 
 def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, str, float]], reconstruct: str,
              extra: dict, done: set, zeroshot_for: set, zeroshot_fn, on_row) -> None:
-    """Score once per criterion (and layer measure), then per cell allocate, cut a fresh copy, evaluate."""
-    from benchmark_methods import allocation_settings
-
-    from prunelight.allocation import allocation_of
-    from prunelight.calibration import run_calibration
-    from prunelight.cut import measured_scores, run_cut
-    from prunelight.importance import build_criterion
-    from prunelight.layer_importance import layer_importances
-
-    scores_of: dict[str, tuple] = {}
-    layer_of: dict[str, tuple] = {}
-    total = sum(p.numel() for p in model.parameters())
+    """Score once per criterion (and layer measure), then per cell cut a fresh copy as a run does, evaluate."""
+    scorer = bench.Scorer(model, calib)
+    total = bench.count_params(model)
     for criterion, allocation, ratio in cells:
         label = grid_label(criterion, allocation, reconstruct)
         if (label, round(ratio, 6)) in done:
@@ -227,29 +197,16 @@ def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, st
                      "reconstruct": reconstruct, "target": ratio}
         t0 = time.perf_counter()
         try:
-            settings = allocation_settings(allocation, criterion, {}, ratio, extra.get(allocation, {}))
-            settings = dataclasses.replace(settings, reconstruct=reconstruct)
-            if criterion not in scores_of:
-                crit = build_criterion(criterion)
-                ts = time.perf_counter()
-                scores_of[criterion] = (run_calibration(model, calib if crit.needs_data else [], crit),
-                                        time.perf_counter() - ts)
-            row["scoring_s"] = scores_of[criterion][1]
-            if allocation_of(allocation).layer_importance:  # measured once on the dense model
-                name = settings.layer_importance
-                if name not in layer_of:
-                    ts = time.perf_counter()
-                    imp = layer_importances(model, calib[: settings.importance_batches], [name])[name]
-                    layer_of[name] = (imp, time.perf_counter() - ts)
+            settings = bench.cell_settings(allocation, criterion, ratio, **{**extra.get(allocation, {}),
+                                                                            "reconstruct": reconstruct})
+            scores = scorer(settings)
+            row["scoring_s"] = scorer.seconds[criterion]
+            for name in scores.layer_importance:  # a measure the allocation needs, measured once on the dense model
                 row["layer_importance"] = {"measure": name, "batches": settings.importance_batches,
-                                           "seconds": layer_of[name][1]}
-            pruned = copy.deepcopy(model)
-            tc = time.perf_counter()
-            layers = {name: imp for name, (imp, _) in layer_of.items()}
-            result = run_cut(pruned, calib, settings, scores=measured_scores(scores_of[criterion][0], layers))
-            row["cut"] = plan_summary(result.plan)
-            row["cut_s"] = time.perf_counter() - tc
-            after = sum(p.numel() for p in pruned.parameters())
+                                           "seconds": scorer.measure_seconds.get(name)}
+            pruned, plan, row["cut_s"] = bench.cut_copy(model, settings, calib, scores=scores)
+            row["cut"] = plan_summary(plan)
+            after = bench.count_params(pruned)
             te = time.perf_counter()
             ppl = evaluate_protocols(pruned, protocols)
             row["eval_s"] = time.perf_counter() - te
@@ -322,14 +279,11 @@ def _peer_prune(tp, model, setup: str, knob: float, example, grad_batches) -> No
 
 def run_peer_worker(args: argparse.Namespace) -> dict:
     """One (setup, ratio): bisect the knob on parameter count, then evaluate the closest model."""
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-
     tp = import_torch_pruning(args.torch_pruning_path)
-    data = torch.load(args.data_file)
-    calib = list(torch.split(data["calib"], args.batch_size))
-    evals = list(torch.split(data["eval"], args.eval_batch_size))
-    dense = _load(args.model)
-    total = sum(p.numel() for p in dense.parameters())
+    data = bench.TokenData.load(args.data_file)
+    calib, evals = data.calibration_batches(args.batch_size), data.eval_batches(args.eval_batch_size)
+    dense = bench.load_model(args.model)
+    total = bench.count_params(dense)
     example = calib[0][:1]
     tried, best, lo, hi = [], None, 0.0, 0.95
     t0 = time.perf_counter()
@@ -337,7 +291,7 @@ def run_peer_worker(args: argparse.Namespace) -> dict:
         knob = (lo + hi) / 2
         model = copy.deepcopy(dense)
         _peer_prune(tp, model, args.peer_worker, knob, example, calib)
-        removed = 1 - sum(p.numel() for p in model.parameters()) / total
+        removed = 1 - bench.count_params(model) / total
         tried.append({"knob": knob, "removed": removed})
         if best is None or abs(removed - args.ratio) < abs(best[1] - args.ratio):
             best = (model, removed, knob)
@@ -346,10 +300,10 @@ def run_peer_worker(args: argparse.Namespace) -> dict:
         lo, hi = (knob, hi) if removed < args.ratio else (lo, knob)
     model, removed, knob = best
     prune_s = time.perf_counter() - t0
-    ppl = evaluate_perplexity(model.eval(), evals)
+    ppl = bench.perplexity(model.eval(), evals)
     attn = model.model.layers[0].self_attn
     return {"ppl": ppl["ppl"], "eval_tokens": ppl["tokens"], "removed": removed, "knob": knob, "tried": tried,
-            "params_after": sum(p.numel() for p in model.parameters()), "prune_s": prune_s,
+            "params_after": bench.count_params(model), "prune_s": prune_s,
             "shape": {"hidden": model.config.hidden_size, "q_heads_layer0": attn.q_proj.out_features // attn.head_dim,
                       "kv_heads_layer0": attn.k_proj.out_features // attn.head_dim,
                       "intermediate_layer0": model.model.layers[0].mlp.gate_proj.out_features}}
@@ -365,37 +319,20 @@ def run_peer(args, data_file: Path, setups: list[str], ratios: list[float], on_r
                 row["error"] = stopped
                 on_row(row)
                 continue
-            with tempfile.TemporaryDirectory(prefix="prunelight-peer-") as tmp:
-                out = Path(tmp) / "out.json"
-                cmd = [sys.executable, __file__, "--peer-worker", setup, "--worker-out", str(out), "--data-file",
-                       str(data_file), "--model", str(args.model), "--ratio", str(ratio), "--threads", str(args.threads),
-                       "--batch-size", str(args.batch_size), "--eval-batch-size", str(args.eval_batch_size),
-                       "--peer-steps", str(args.peer_steps)]
-                if args.torch_pruning_path:
-                    cmd += ["--torch-pruning-path", str(args.torch_pruning_path)]
-                t0 = time.perf_counter()
-                try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
-                except subprocess.TimeoutExpired:
-                    row["error"] = f"timeout after {args.peer_timeout:.0f} s"
-                    stopped = f"not run: timed out at {ratio:.0%}"
-                else:
-                    if proc.returncode == 0 and out.exists():
-                        row.update(json.loads(out.read_text()))
-                    else:
-                        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-                        row["error"] = lines[-1] if lines else f"exit status {proc.returncode}"
-                row["seconds"] = time.perf_counter() - t0
+            cmd = [__file__, "--peer-worker", setup, "--data-file", str(data_file), "--model", str(args.model),
+                   "--ratio", str(ratio), "--threads", str(args.threads), "--batch-size", str(args.batch_size),
+                   "--eval-batch-size", str(args.eval_batch_size), "--peer-steps", str(args.peer_steps)]
+            if args.torch_pruning_path:
+                cmd += ["--torch-pruning-path", str(args.torch_pruning_path)]
+            t0 = time.perf_counter()
+            row.update(bench.run_worker(cmd, threads=args.threads, timeout=args.peer_timeout))
+            if row.get("error", "").startswith("timeout"):
+                stopped = f"not run: timed out at {ratio:.0%}"
+            row["seconds"] = time.perf_counter() - t0
             on_row(row)
 
 
 # --------------------------------------------------------------------------------------------- output
-def _load(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def markdown(meta: dict, rows: list[dict]) -> str:
     """A table: one row per method, one column per target ratio (perplexity, actual % removed)."""
     ratios = meta["ratios"]
@@ -424,7 +361,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def ratio_to_peer(meta: dict, rows: list[dict]) -> str:
-    """'default / best peer' perplexity at each ratio (the issue's target is <= 0.5)."""
+    """'default / best peer' perplexity at each ratio (the target is <= 0.5)."""
     parts = []
     for ratio in meta["ratios"]:
         at = [r for r in rows if abs(r["target"] - ratio) < 1e-9 and "ppl" in r]
@@ -649,16 +586,12 @@ def _tiny_setup(family: str, folder: Path) -> tuple[str, str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the quality-vs-size benchmark (or one peer worker of it)."""
-    from prunelight.atomic import atomic_write_json, atomic_write_text
-    from prunelight.testing import shared_dir
+    from prunelight.atomic import atomic_write_json
 
-    shared = shared_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
+    bench.add_data_arguments(p)
     p.add_argument("--tiny-family", choices=sorted(TINY_OVERRIDES),
                    help="use a tiny random model of this family and a tiny corpus (peer-failure facts, tests)")
-    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
-    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
     p.add_argument("--methods", default=None,
                    help=f"prunelight rows: {', '.join(METHOD_KEYS)} (default: all, or none when --grid is given)")
@@ -669,12 +602,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--importance-batches", type=int, default=None,
                    help="calibration batches for layer/sub-block importance (overrides the presets' 4)")
     p.add_argument("--eval-chars", type=int, default=None,
-                   help="the run's own protocol reads only the first N characters of --eval (the issue: 60000)")
+                   help="the run's own protocol reads only the first N characters of --eval (the reference protocol: 60000)")
     p.add_argument("--protocols", default="own", help="own (the run's: --eval lines, --seq-len windows) and/or "
                    "paper (rows joined by blank lines, BOS once, --paper-seq-len windows)")
     p.add_argument("--paper-seq-len", type=int, default=2048)
     p.add_argument("--paper-windows", type=int, default=None, help="first N windows of the paper protocol")
-    p.add_argument("--zeroshot-dir", default=str(shared / "data" / "zeroshot") if shared else None)
+    p.add_argument("--zeroshot-dir", default=bench.shared_path("data", "zeroshot"))
     p.add_argument("--zeroshot-limit", type=int, default=200, help="first N rows of each zero-shot task")
     p.add_argument("--zeroshot-for", default="",
                    help="comma list of 'dense' and grid cells '<criterion> / <allocation>@<ratio>' to score zero-shot")
@@ -697,13 +630,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--merge", nargs="*", default=None,
                    help="run nothing: add the rows of these JSON files to --name's JSON, rebuild table and figure")
     p.add_argument("--ratio", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--peer-worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.peer_worker:
-        atomic_write_json(args.worker_out, run_peer_worker(args))
+    args = bench.parse_args(p, argv, run_peer_worker, "--peer-worker")
+    if args is None:  # a worker process: it has answered
         return
 
     ratios = [float(r) for r in args.ratios.split(",") if r]
@@ -757,25 +685,16 @@ def main(argv: list[str] | None = None) -> None:
             merged["rows"] = [r for r in merged["rows"] if r["method"] not in names] + extra
         _finish(merged["meta"], merged["rows"], ratios, out_dir, name)
         return
-    from benchmark_methods import prepare_data
-
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-
     with tempfile.TemporaryDirectory(prefix="prunelight-qvs-") as tmp:
-        data_file = Path(tmp) / "data.pt"
-        eval_text = args.eval
-        if args.eval_chars:  # the run's own protocol on a prefix of the test file (a copy in the temp folder)
-            args.eval = str(Path(tmp) / Path(eval_text).name)
-            Path(args.eval).write_text(Path(eval_text).read_text(encoding="utf-8")[: args.eval_chars], encoding="utf-8")
-        data_meta = prepare_data(args, data_file)
-        args.eval = eval_text
-        data = torch.load(data_file)
-        calib = list(torch.split(data["calib"], args.batch_size))
-        evals = list(torch.split(data["eval"], args.eval_batch_size))
+        data = bench.token_data(args.model, args.calibration, args.eval, samples=args.samples, seq_len=args.seq_len,
+                                seed=args.seed, eval_tokens=args.eval_tokens, eval_chars=args.eval_chars)
+        data_file = data.save(Path(tmp) / "data.pt")
+        data_meta = {"calibration_samples": int(data.calib.shape[0]), "eval_blocks": int(data.eval.shape[0])}
+        calib, evals = data.calibration_batches(args.batch_size), data.eval_batches(args.eval_batch_size)
         protocol_batches = {"own": evals}
         if "paper" in protocols:
             protocol_batches["paper"] = _paper_batches(args)
-        model = _load(args.model)
+        model = bench.load_model(args.model)
         key = {"model": args.tiny_family or str(args.model), "samples": args.samples, "seq_len": args.seq_len,
                "seed": args.seed, "eval": Path(args.eval).name if args.tiny_family else str(args.eval),
                "eval_chars": args.eval_chars, "eval_tokens": args.eval_tokens,
@@ -795,7 +714,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": str(args.model) if not args.tiny_family else f"tiny {args.tiny_family} (random weights)",
             "model_name": Path(args.model).name, "model_type": model.config.model_type,
             "query_heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads,
-            "params_total": sum(p.numel() for p in model.parameters()),
+            "params_total": bench.count_params(model),
             "dense_ppl": dense["own"]["ppl"] if dense else old_meta["dense_ppl"],
             "eval_tokens": dense["own"]["tokens"] if dense else old_meta["eval_tokens"], "ratios": ratios,
             "protocol_key": key,
@@ -866,8 +785,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _finish(meta: dict, rows: list[dict], ratios: list[float], out_dir: Path, name: str) -> None:
     """Sort the rows, write JSON, Markdown and the figure."""
-    from prunelight.atomic import atomic_write_json, atomic_write_text
-
     order = [*METHODS, *PEER_SETUPS.values()]
     first = {m: i for i, m in reversed(list(enumerate(r["method"] for r in rows)))}
 
@@ -880,10 +797,9 @@ def _finish(meta: dict, rows: list[dict], ratios: list[float], out_dir: Path, na
 
     rows.sort(key=rank)
     meta["ratios"] = sorted({r["target"] for r in rows} | set(ratios))
-    atomic_write_json(out_dir / f"{name}.json", {"meta": meta, "rows": rows})
     grid = any(r.get("kind") == "grid" for r in rows)
     table = markdown_grid(meta, rows) if grid else markdown(meta, rows)
-    atomic_write_text(out_dir / f"{name}.md", table)
+    bench.write_results(out_dir / name, {"meta": meta, "rows": rows}, table)
     (figure_grid if grid else figure)(meta, rows, out_dir / f"{name}.png")
     print("\n" + table)
 

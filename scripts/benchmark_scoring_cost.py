@@ -25,12 +25,8 @@ Each criterion row gives its ratio to the matching floor (memory <= 1.2x, time <
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +34,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
+import torch  # noqa: E402
+
+from prunelight import bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ("floor:forward", "floor:frozen", "floor:weights", "floor:weights_mb1")
@@ -133,13 +131,11 @@ def run_worker(args: argparse.Namespace) -> dict:
 
 
 def _load_model(args):
-    from transformers import AutoModelForCausalLM
-
     if args.tiny:
         from prunelight.testing import tiny_model
 
         return tiny_model("llama", hidden_size=64, intermediate_size=192)
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    return bench.load_model(args.model)
 
 
 def _batches(args) -> list[torch.Tensor]:
@@ -148,13 +144,9 @@ def _batches(args) -> list[torch.Tensor]:
     if args.tiny:
         gen = torch.Generator().manual_seed(args.seed)
         return list(torch.split(torch.randint(3, 128, (n, args.seq_len), generator=gen), args.batch_size))
-    from prunelight.data import PruneDataModule, TextSource
-
-    dm = PruneDataModule(calibration=TextSource(path=str(args.calibration)), eval=TextSource(path=str(args.eval)),
-                         tokenizer=str(args.model), num_samples=n, seq_len=args.seq_len,
-                         calibration_batch_size=args.batch_size, max_eval_blocks=1, seed=args.seed)
-    dm.setup()
-    return list(torch.split(dm.calib_blocks, args.batch_size))
+    data = bench.token_data(args.model, args.calibration, args.eval, samples=n, seq_len=args.seq_len, seed=args.seed,
+                            eval_tokens=args.seq_len)  # one evaluation block: only the overlap check reads it
+    return data.calibration_batches(args.batch_size)
 
 
 def markdown(meta: dict, rows: dict[str, dict]) -> str:
@@ -191,16 +183,10 @@ def markdown(meta: dict, rows: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the scoring-cost benchmark (or one worker of it)."""
-    from prunelight.atomic import atomic_write_json, atomic_write_text
     from prunelight.importance import CRITERIA
-    from prunelight.testing import shared_dir
 
-    shared = shared_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None)
-    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
-    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None,
-                   help="held-out text (only checked for overlap with the calibration windows)")
+    bench.add_data_arguments(p)
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama and random ids (seconds; for tests)")
     p.add_argument("--criteria", default=",".join(CRITERIA))
     p.add_argument("--no-naive", action="store_true", help="skip the naive (full weight gradient) variants")
@@ -217,13 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
     p.add_argument("--name", default="scoring_cost")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--data-file", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.worker:
-        atomic_write_json(args.worker_out, run_worker(args))
+    args = bench.parse_args(p, argv, run_worker, "--worker")
+    if args is None:  # a worker process: it has answered
         return
     if not args.tiny and not args.model:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED), or --tiny")
@@ -242,37 +223,24 @@ def main(argv: list[str] | None = None) -> None:
         data_file = Path(tmp) / "batches.pt"
         torch.save(_batches(args), data_file)
         for name in names:
-            out = Path(tmp) / "out.json"
-            cmd = [sys.executable, __file__, "--worker", name, "--worker-out", str(out), "--data-file", str(data_file),
-                   "--repeats", str(args.repeats), "--device", args.device, "--threads", str(args.threads)]
+            cmd = [__file__, "--worker", name, "--data-file", str(data_file), "--repeats", str(args.repeats),
+                   "--device", args.device, "--threads", str(args.threads)]
             cmd += ["--tiny"] if args.tiny else ["--model", str(args.model)]
-            env = dict(os.environ)
-            if args.mmap_threshold is not None:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if proc.returncode == 0 and out.exists():
-                rows[name] = json.loads(out.read_text())
-                out.unlink()
-            else:
-                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-                rows[name] = {"name": name, "error": tail[-1] if tail else f"exit status {proc.returncode}"}
+            env = {} if args.mmap_threshold is None else {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
+            rows[name] = {"name": name, **bench.run_worker(cmd, threads=args.threads, env=env)}
             r = rows[name]
             print(f"{name}: " + (r["error"] if "error" in r else f"+{r['extra_mib'] or 0:.0f} MiB, "
                                  f"{r['median_s']:.3f} s"), flush=True)
     meta = {
         "model_name": "tiny llama (random)" if args.tiny else Path(args.model).name, "batches": args.batches,
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "threads": args.threads,
-        "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {os.cpu_count()} CPUs)",
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "floors": floors,
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, **bench.machine(args.device),
+        "threads": args.threads, "floors": floors,
         "memory_note": "CUDA max allocated above the allocated at entry" if args.device.startswith("cuda")
         else "peak RSS (VmHWM) of a fresh process minus its RSS with the model and batches loaded"
         + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""),
     }
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown(meta, rows)
-    atomic_write_json(out_dir / f"{args.name}.json", {"meta": meta, "rows": rows})
-    atomic_write_text(out_dir / f"{args.name}.md", table)
+    bench.write_results(Path(args.out_dir) / args.name, {"meta": meta, "rows": rows}, table)
     print("\n" + table)
 
 

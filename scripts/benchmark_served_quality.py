@@ -62,7 +62,8 @@ def main() -> None:
 
 def write(rows: list[dict], out: Path, args) -> None:
     """results JSON + markdown table (written after every run, so a partial sweep leaves its figures)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from prunelight import bench
+
     names = {"stock": "stock (one shape)", "nemotron_nas": "nemotron_nas (served per-layer)",
              "auto": "global (per-layer, prunelight type)"}
     lines = [f"# Served layout quality: {args.ratio:.0%} pruned, flap + least_squares, no recovery",
@@ -75,8 +76,7 @@ def write(rows: list[dict], out: Path, args) -> None:
         rel = (f"{100 * (r['ppl_pruned'] / stock[r['model']] - 1):+.2f}%" if r["model"] in stock else "")
         lines.append(f"| {r['model']} | {names[r['format']]} | `{r['written_as']}` | {r['params_after']:,} | "
                      f"{r['ppl_dense']:.2f} | {r['ppl_pruned']:.2f} | {rel} |")
-    out.with_suffix(".json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    bench.write_results(out, {"settings": vars(args), "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ Models
              matter. Random weights are fine for speed.
 Pruned variants: prunelight's own plan (criterion `magnitude`, weight-only, no data; global allocation; whole
 GQA groups and MLP channels) at each --ratios, with `align_channels` 1 (no alignment) and each --align value
-(MLP channel counts per layer a multiple of it; GQA groups are always removed whole), cut by `surgery`.
+(MLP channel counts per layer a multiple of it; GQA groups are always removed whole), cut by `prunelight.prune`.
 
 Each model is timed with `prunelight.evaluation.efficiency.measure_speed` (random prompt of --prompt-len
 tokens, then --new-tokens greedy-free decode steps with the KV cache; --warmup runs, then the median of
 --repeats) at each --batch-sizes. Ideal speedup = dense parameters / pruned parameters; the table gives
-measured decode and prefill speedups and their ratio to the ideal (the issue's target: a 20%-pruned aligned
+measured decode and prefill speedups and their ratio to the ideal (the target: a 20%-pruned aligned
 model decodes >= 1.19x dense at batch 1, 95% of the ideal 1.25x). --compile times `torch.compile(model)` too.
 
 To see why an ideal is missed, --mlp-widths times one Llama MLP (gate/up/down, hidden = the synthetic
@@ -27,17 +27,17 @@ hidden size) at aligned and unaligned intermediate widths, per token at decode (
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
-from torch import nn
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from prunelight import bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,14 +56,9 @@ def synthetic_model(hidden: int, intermediate: int, layers: int, heads: int, kv_
 
 def prune_copy(model: nn.Module, ratio: float, align: int) -> nn.Module:
     """A cut copy of `model` with `ratio` of parameters removed by prunelight (magnitude, global, `align`)."""
-    from prunelight.cut import run_cut
-    from prunelight.settings import PruneSettings
-
-    settings = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", align_channels=align,
-                             reconstruct="none")
-    pruned = copy.deepcopy(model)
-    run_cut(pruned, [], settings)  # magnitude needs no calibration text
-    return pruned
+    settings = bench.preset_settings(None, ratio=ratio, criterion="magnitude", allocation="global",
+                                     align_channels=align, reconstruct="none")
+    return bench.cut_copy(model, settings)[0]  # magnitude needs no calibration text
 
 
 def widths(model: nn.Module) -> dict:
@@ -169,12 +164,8 @@ def markdown(meta: dict, rows: list[dict], mlp: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the speed benchmark."""
-    from prunelight.atomic import atomic_write_json, atomic_write_text
-    from prunelight.testing import shared_dir, tiny_model
-
-    shared = shared_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(shared / "models" / "ref-llama-gqa") if shared else None,
+    p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"),
                    help="the real model timed besides the synthetic one ('' to skip)")
     p.add_argument("--no-synthetic", action="store_true")
     p.add_argument("--synthetic-hidden", type=int, default=1024)
@@ -219,9 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     families: dict[str, nn.Module] = {}
     described = {}
     if args.model:
-        from transformers import AutoModelForCausalLM
-
-        families["ref"] = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        families["ref"] = bench.load_model(args.model)
         described["ref"] = Path(args.model).name
     if not args.no_synthetic:
         families["synthetic"] = synthetic_model(args.synthetic_hidden, args.synthetic_intermediate,
@@ -246,16 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         for compiled in [False, True] if args.compile else [False]:
             rows += [{"family": family, **r} for r in time_models(models, args, compiled)]
     mlp = mlp_table(args, device, dtype) if args.mlp_widths else []
-    meta = {"device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs)", "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompt_len": args.prompt_len,
+    meta = {**bench.machine(args.device), "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "warmup": args.warmup, "repeats": args.repeats, "families": described,
             "synthetic": {"hidden": args.synthetic_hidden, "intermediate": args.synthetic_intermediate}}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown(meta, rows, mlp)
-    atomic_write_json(out_dir / f"{args.name}.json", {"meta": meta, "rows": rows, "mlp": mlp})
-    atomic_write_text(out_dir / f"{args.name}.md", table)
+    bench.write_results(Path(args.out_dir) / args.name, {"meta": meta, "rows": rows, "mlp": mlp}, table)
     print("\n" + table)
 
 

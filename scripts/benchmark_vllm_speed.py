@@ -18,18 +18,14 @@ Writes results/benchmarks/vllm_speed_<tag>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,21 +35,18 @@ VARIANTS = (("stock", 1), ("nemotron_nas", 1), ("nemotron_nas", 64))  # (format,
 
 def prune_folder(dense: Path, fmt: str, ratio: float, align: int, out: Path) -> Path:
     """`dense` cut by magnitude to `ratio` for `fmt` (align_channels `align`) and exported to `out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    import prunelight
+    from prunelight import bench
     from prunelight.export import export_pretrained
-    from prunelight.allocation import shape_of_format
-    from prunelight.pipeline import make_plan
-    from prunelight.settings import PruneSettings
-    from prunelight.surgery import apply_plan
 
     if (out / "config.json").is_file():
         return out
-    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                      align_channels=align)  # weight-only: no calibration text for calibrated's probes
-    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
-    apply_plan(model, plan)
+    model = bench.load_model(dense)
+    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                                 align_channels=align)  # weight-only: no calibration text for calibrated's probes
+    prunelight.prune(model, s, export_format=fmt)  # the format's shape constraint, as export.format sets it
     return export_pretrained(model, out, AutoTokenizer.from_pretrained(dense), format=fmt)
 
 
@@ -71,22 +64,11 @@ def n_params(folder: Path) -> int:
 
 def time_folder(folder: Path, args, log: Path) -> dict:
     """vLLM timings of one folder (a fresh engine in vLLM's environment)."""
-    cfg = json.loads((folder / "config.json").read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"folder": str(folder.resolve()), "max_model_len": 512,
-                                    "trust_remote_code": bool(cfg.get("auto_map")),
-                                    "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
-                                              "decode_tokens": args.decode_tokens, "batch": args.batch}}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("PYTHONPATH", None)
-        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own CPU threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
-        with open(log, "w") as sink:
-            proc = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
-                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vLLM failed on {folder}; see {log}")
-        res = json.loads(out.read_text())
+    from prunelight import bench
+
+    res = bench.run_vllm(args.vllm_python, {"folder": str(folder), "max_model_len": 512,
+                                            "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
+                                                      "decode_tokens": args.decode_tokens, "batch": args.batch}}, log)
     runs = res["speed"]
     return {"engine": res["engine"], "architecture": res["architecture"][0], "runs": runs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
@@ -132,11 +114,9 @@ def write(rows: list[dict], args) -> None:
         r["ideal_speedup"] = base["params"] / r["params"]
         r["prefill_speedup"] = r["prefill_tok_s"] / base["prefill_tok_s"]
         r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-    out = Path(args.out) / f"vllm_speed_{args.tag}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"engine": base["engine"], "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), **{k: v for k, v in vars(args).items()}}
-    out.with_suffix(".json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
+    from prunelight import bench
+
+    meta = {"engine": base["engine"], **bench.machine(), **vars(args)}
     lines = [f"# vLLM speed: dense vs pruned SmolLM2-135M ({base['engine']}, float32, eager, CPU)", "",
              f"batch {args.batch} x {args.prompt_len} prompt tokens; decode {args.decode_tokens} tokens; median of "
              f"{args.repeats} runs after one warm-up; a fresh engine per folder. Ideal = params_dense / params_pruned.",
@@ -146,7 +126,8 @@ def write(rows: list[dict], args) -> None:
         lines.append(f"| {r['name']} | {r['format']} ({r['architecture']}) | {r['align_channels']} | {r['params']:,} | "
                      f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['prefill_speedup']:.2f} | "
                      f"{r['decode_speedup']:.2f} | {r['ideal_speedup']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    bench.write_results(Path(args.out) / f"vllm_speed_{args.tag}", {"settings": meta, "rows": rows},
+                        "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -4,7 +4,8 @@
     python scripts/memory_table.py --model path/or/hub-id  # any GQA config transformers can read
     python scripts/memory_table.py --seq-len 4096 --gpus 16 --ratio 0.3 --lora-r 32
 
-Counts are estimates from the architecture alone (no model is loaded): bf16 weights, fp32
+Counts are estimates from the architecture alone (no weights are loaded: the model is built on the meta
+device and counted by prunelight's `Budget`, as a run counts it, with the family's own unit costs): bf16 weights, fp32
 per-unit statistics, bf16 activations kept for backward (with and without gradient
 checkpointing), fp32 logits for the loss, and mixed-precision AdamW states (fp32 master weights,
 m and v: 12 bytes per trained parameter, plus its 2-byte gradient; LoRA adapters train in fp32:
@@ -17,62 +18,62 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from prunelight.allocation import Budget, make_budget
+from prunelight.settings import PruneSettings
+
 GIB = 1024**3
 
 # Published config.json numbers (meta-llama/Meta-Llama-3-8B and -70B); no hub access needed.
 BUILTIN = {
-    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256,
-                      tied=False),
-    "llama3-70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, inter=28672, vocab=128256,
-                       tied=False),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                      tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+                       tie_word_embeddings=False),
 }
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass
 class Arch:
-    """The numbers of a decoder-only GQA model that memory depends on."""
+    """What memory depends on, counted by prunelight on a weightless (meta-device) copy of the model.
+
+    Parameter counts are the `Budget` of a run with this ratio (the family's own unit costs, tied embeddings
+    once); LoRA shapes are the family's LoRA targets; activations use the first layer's widths.
+    """
 
     name: str
+    budget: Budget
     hidden: int
-    layers: int
+    vocab: int
     heads: int
     kv_heads: int
     head_dim: int
     inter: int
-    vocab: int
-    tied: bool
+    lora_shapes: list[tuple[int, int]]  # (uncut, cut) sides of every LoRA-adapted linear of every layer
 
-    def layer_params(self, keep: float = 1.0) -> float:
-        """Parameters of one decoder layer, with a fraction `keep` of its groups and channels left."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = h * q * 2 + h * kv * 2  # q, o and k, v
-        mlp = 3 * h * self.inter
-        return keep * (attn + mlp) + 2 * h  # the two norms stay
+    @property
+    def layers(self) -> int:
+        """Decoder layers."""
+        return self.budget.num_layers
 
-    def params(self, keep: float = 1.0) -> float:
-        """All parameters (embeddings and head are never pruned)."""
-        emb = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * self.layer_params(keep) + emb + self.hidden
+    def keep(self) -> float:
+        """Width fraction of the scored units (GQA groups and MLP channels) the ratio's cut leaves."""
+        units = sum(self.budget.layer_units(i) for i in range(self.layers))
+        return 1 - self.budget.target / units
 
-    def keep_for_ratio(self, ratio: float) -> float:
-        """Width fraction the layers keep when `ratio` of all parameters goes (embeddings stay)."""
-        prunable = self.layers * (self.layer_params() - 2 * self.hidden)
-        keep = 1 - ratio * self.params() / prunable
-        if keep <= 0:
-            raise ValueError(f"ratio {ratio} removes more than the decoder layers hold")
-        return keep
+    def params(self, pruned: bool = False) -> float:
+        """All parameters, dense or after the ratio's cut (embeddings and head are never pruned)."""
+        return self.budget.total - (self.budget.target if pruned else 0)
 
     def lora_params(self, r: int, keep: float = 1.0) -> float:
-        """LoRA adapter parameters on all seven projections of every layer, rank r."""
-        h, i = self.hidden, keep * self.inter
-        q, kv = keep * self.heads * self.head_dim, keep * self.kv_heads * self.head_dim
-        shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
-        return self.layers * sum(r * (a + b) for a, b in (shapes[t] for t in LORA_TARGETS))
+        """LoRA adapter parameters on the family's target projections of every layer, rank r (the cut side of each
+        projection shrinks with the width)."""
+        return sum(r * (fixed + keep * cut) for fixed, cut in self.lora_shapes)
 
     def units(self) -> int:
         """Scored units: one per GQA group and per MLP channel."""
-        return self.layers * (self.kv_heads + self.inter)
+        return sum(self.budget.n_groups) + sum(self.budget.n_chans)
 
     def act_per_token_layer(self, keep: float = 1.0) -> float:
         """bf16 bytes autograd keeps per token in one layer (norm in/out, q/k/v and rotary copies,
@@ -81,23 +82,42 @@ class Arch:
         return 2 * (6 * self.hidden + 3 * q + 4 * kv + 4 * i)
 
 
-def from_config(path: str) -> Arch:
-    """Read an Arch from a transformers config (local folder or hub id)."""
-    from transformers import AutoConfig
+def arch(name: str, ratio: float) -> Arch:
+    """The Arch of a built-in model or of a transformers config (local folder or hub id); no weights are loaded."""
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = AutoConfig.from_pretrained(path)
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return Arch(path, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
-                c.num_key_value_heads or c.num_attention_heads, hd, c.intermediate_size, c.vocab_size,
-                bool(getattr(c, "tie_word_embeddings", False)))
+    from prunelight.families import get_family
+
+    if name in BUILTIN:
+        spec = dict(BUILTIN[name])
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    else:
+        config = AutoConfig.from_pretrained(name)
+    with torch.device("meta"):  # shapes only: an 70B model costs nothing here
+        model = AutoModelForCausalLM.from_config(config)
+    budget = make_budget(model, PruneSettings(ratio=ratio))
+    family = get_family(model)
+    first = family.layer_shapes(model)[0]
+    targets = set(family.lora_targets)
+    cut_inputs = {family.o_name, family.down_name}  # these lose input columns; the others lose output rows
+    shapes = [(m.out_features, m.in_features) if short in cut_inputs else (m.in_features, m.out_features)
+              for layer in family.layers(model) for n, m in layer.named_modules()
+              if isinstance(m, nn.Linear) and (short := n.rsplit(".", 1)[-1]) in targets]
+    a = Arch(name, budget, config.hidden_size, config.vocab_size, first.num_attention_heads,
+             first.num_key_value_heads, budget.head_dim, first.intermediate_size, shapes)
+    if a.keep() <= 0:
+        raise ValueError(f"--ratio {ratio} removes more than the decoder layers' GQA groups and MLP channels hold")
+    return a
 
 
 def components(a: Arch, seq: int, batch: int, ratio: float, r: int) -> dict[str, float]:
     """Bytes of each memory component for one model copy (not yet divided over GPUs)."""
-    keep = a.keep_for_ratio(ratio)
+    keep = a.keep()
     tokens = seq * batch
     logits = tokens * a.vocab * 4 * 2  # fp32 logits and their log-softmax / gradient
-    p_dense, p_pruned = a.params(), a.params(keep)
+    p_dense, p_pruned = a.params(), a.params(pruned=True)
     lora = a.lora_params(r, keep)
     return {
         "weights_dense_bf16": 2 * p_dense,
@@ -110,7 +130,7 @@ def components(a: Arch, seq: int, batch: int, ratio: float, r: int) -> dict[str,
         "lora_train_state": 16 * lora,  # fp32 weight + grad + Adam m, v
         "full_grads_bf16": 2 * p_pruned,
         "full_optimizer_fp32": 12 * p_pruned,  # master weights + Adam m, v
-        "one_layer_gathered": 2 * a.layer_params(),
+        "one_layer_gathered": 2 * a.budget.layer_total(0),
         "params_dense": p_dense,
         "params_pruned": p_pruned,
     }
@@ -183,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.ratio < 1:
         p.error(f"--ratio must be in [0, 1), got {args.ratio}")
     for name in args.model or list(BUILTIN):
-        arch = Arch(name, **BUILTIN[name]) if name in BUILTIN else from_config(name)
-        print(render(arch, args.seq_len, args.batch, args.ratio, args.lora_r, args.gpus))
+        print(render(arch(name, args.ratio), args.seq_len, args.batch, args.ratio, args.lora_r, args.gpus))
 
 
 if __name__ == "__main__":

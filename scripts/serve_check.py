@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,9 +40,9 @@ MAX_TOKENS = 16
 
 def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Greedy tokens and their log-probabilities from transformers on `folder` (float32, full recompute per step)."""
-    from transformers import AutoModelForCausalLM
+    from prunelight import bench
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = bench.load_model(folder)
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -63,20 +62,10 @@ def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens
 def vllm_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int, vllm_python: str,
                 max_model_len: int = 512, log: Path | None = None) -> dict:
     """vLLM's greedy tokens and log-probabilities on `folder`, from its own environment (a subprocess)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        spec.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": prompts,
-                                    "max_tokens": max_tokens, "max_model_len": max_model_len,
-                                    "trust_remote_code": bool(cfg.get("auto_map"))}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        env.pop("PYTHONPATH", None)  # vLLM's environment, not prunelight's
-        with open(log or os.devnull, "w") as sink:
-            proc = subprocess.run([vllm_python, str(ROOT / "scripts" / "vllm_generate.py"), str(spec), str(out)],
-                                  env=env, stdout=sink, stderr=subprocess.STDOUT)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM could not serve {folder} (exit {proc.returncode}; log: {log})")
-        return json.loads(out.read_text())
+    from prunelight import bench
+
+    return bench.run_vllm(vllm_python, {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens,
+                                        "max_model_len": max_model_len}, log)
 
 
 def compare(ref: list[dict], eng: list[dict]) -> dict:
@@ -115,24 +104,19 @@ class _Cfg:
 
 
 def _cut(model, fmt: str, ratio: float, min_groups: int = 1):
-    """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text)."""
-    from prunelight.allocation import shape_of_format
-    from prunelight.pipeline import make_plan
-    from prunelight.settings import PruneSettings
-    from prunelight.surgery import apply_plan
+    """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text), as a run would."""
+    import prunelight
 
     # global: a weight-only cut reads no text, and calibrated (the default) probes on calibration text
-    s = PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                      min_groups=min_groups)
-    plan, _ = make_plan(model, [], s, shape=shape_of_format(fmt))  # the format's shape constraint (registry)
-    apply_plan(model, plan)
-    return model
+    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
+                                 min_groups=min_groups)
+    return prunelight.prune(model, s, export_format=fmt)[0]  # the format's shape constraint, as export.format sets it
 
 
 def tiny_folders(out: Path) -> list[Path]:
     """Tiny Llama exports: stock, nemotron_nas (allocated), nemotron_nas with a removed attention and MLP."""
-    from prunelight.plan import LayerPlan, PrunePlan
-    from prunelight.surgery import apply_plan
+    import prunelight
+    from prunelight.plan import LayerPlan
     from prunelight.testing import tiny_model, tiny_tokenizer
 
     # head_dim 32: vLLM's CPU attention kernels take 32, 64, 80, 96, 112, 128... (not the tests' usual 16)
@@ -146,10 +130,10 @@ def tiny_folders(out: Path) -> list[Path]:
                                  format="nemotron_nas")]
     m = make()
     n = m.config.intermediate_size
-    plan = PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
-                             LayerPlan([1], []), LayerPlan([1], list(range(n)))],
-                     num_groups=[2] * 4, num_channels=[n] * 4)
-    apply_plan(m, plan)
+    plan = prunelight.PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
+                                        LayerPlan([1], []), LayerPlan([1], list(range(n)))],
+                                num_groups=[2] * 4, num_channels=[n] * 4)
+    prunelight.apply_plan(m, plan)
     folders.append(export_pretrained(m, out / "tiny_nemotron_nas_noop", tok, format="nemotron_nas"))
     return folders
 
@@ -177,12 +161,14 @@ def tiny_prompts(n: int = 4, length: int = 6, vocab: int = 128) -> list[list[int
 
 def pruned_folders(source: str, out: Path, ratio: float) -> list[Path]:
     """`source` pruned by `ratio` for stock and nemotron_nas, exported (tokenizer copied)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from prunelight import bench
 
     tok = AutoTokenizer.from_pretrained(source)
     folders = []
     for fmt in ("stock", "nemotron_nas"):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        model = bench.load_model(source)
         folders.append(export_pretrained(_cut(model, fmt, ratio), out / f"{Path(source).name}_{fmt}", tok,
                                          format=fmt))
     return folders
@@ -227,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
     summary = {"results": results, "all_equal": all(r["equal"] for r in results)}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        from prunelight import bench
+
+        bench.write_results(Path(args.out).with_suffix(""), summary)
     print(f"serve check: {sum(r['equal'] for r in results)} of {len(results)} folder(s) equal; largest |logprob diff| "
           f"{max((r['max_abs_logprob_diff'] for r in results), default=0):.2e}")
     return 0 if summary["all_equal"] else 1

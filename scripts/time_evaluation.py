@@ -15,6 +15,7 @@ import torch
 from prunelight.data import TextSource
 from prunelight.evaluation.perplexity import PerplexityData, evaluate_perplexity_suite
 from prunelight.evaluation.zeroshot import TASKS, evaluate_zeroshot
+from prunelight import bench
 from prunelight.testing import shared_dir
 
 
@@ -29,11 +30,11 @@ def main() -> None:
     shared = shared_dir()
     if shared is None:
         raise SystemExit("set PRUNELIGHT_SHARED to the shared/ folder")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = shared / "models" / "ref-llama-gqa"
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    model = bench.load_model(path, attn_implementation="sdpa")
     sets = {"wikitext2": TextSource(path=str(shared / "data/wikitext2/test.txt")),
             "ptb": TextSource(path=str(shared / "data/ptb/test.txt"))}
     est, out = 0.0, {}

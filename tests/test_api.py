@@ -81,6 +81,66 @@ def test_bad_calls_say_what_is_missing():
         prunelight.prune(tiny_model(), 0.2)
 
 
+def _weights(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("options", [
+    {"ratio": 0.3},  # the default: flap, calibrated (probes on the calibration text), least-squares repair
+    {"ratio": 0.3, "criterion": "taylor", "allocation": "layerwise", "layer_importance": "removal"},
+    {"ratio": 0.3, "allocation": "blockwise", "block_importance": "removal"},
+])
+def test_score_then_cut_is_the_run_cut(options):
+    """score + prune(scores=...) makes the plan and the weights `prune` (the run's cut) makes, repair included."""
+    calibration = _calibration()
+    _, plan = prunelight.prune(ref := tiny_model(), options, calibration)
+    scores = prunelight.score(tiny_model(), options, calibration)
+    assert isinstance(scores, prunelight.Scores) and scores.samples == 16
+    model, again = prunelight.prune(tiny_model(), options, calibration, scores=scores)
+    assert again.to_dict()["layers"] == plan.to_dict()["layers"] and again.drop_layers == plan.drop_layers
+    assert again.meta["params_removed"] == plan.meta["params_removed"]
+    expected = _weights(ref)
+    assert all(torch.equal(v, expected[k]) for k, v in _weights(model).items())
+
+
+def test_scored_once_cut_many_ways():
+    """One scoring pass serves several ratios and allocations; each cut is the one `prune` makes from scratch."""
+    calibration = _calibration()
+    scores = prunelight.score(tiny_model(), {"criterion": "taylor", "allocation": "global",
+                                             "report_layer_importance": ["block_influence"]}, calibration)
+    assert set(scores.layer_importance) == {"block_influence"}
+    for options in ({"criterion": "taylor", "allocation": "global", "ratio": 0.2, "reconstruct": "none"},
+                    {"criterion": "taylor", "allocation": "uniform", "ratio": 0.35},
+                    {"criterion": "taylor", "allocation": "depth", "ratio": 0.4}):
+        _, plan = prunelight.prune(tiny_model(), options, calibration, scores=scores)
+        _, direct = prunelight.prune(tiny_model(), options, calibration)
+        assert plan.to_dict()["layers"] == direct.to_dict()["layers"], options
+        assert plan.drop_layers == direct.drop_layers
+
+
+def test_prune_from_scores_refuses_what_the_scores_lack_and_bad_formats():
+    calibration = _calibration()
+    scores = prunelight.score(tiny_model(), {"allocation": "global", "report_layer_importance": []}, calibration)
+    with pytest.raises(ValueError, match="no layer importance 'removal'"):
+        prunelight.prune(tiny_model(), {"allocation": "layerwise", "layer_importance": "removal"}, calibration,
+                       scores=scores)
+    # scores handed in: a data criterion needs no text, but the default repair still does
+    _, plan = prunelight.prune(tiny_model(), {"allocation": "global", "reconstruct": "none"}, scores=scores)
+    assert plan.meta["removed_fraction_total"] >= 0.2
+    with pytest.raises(ValueError, match="prune.reconstruct='least_squares' needs calibration batches"):
+        prunelight.prune(tiny_model(), {"allocation": "global"}, scores=scores)
+    with pytest.raises(ValueError, match="export_format='gguf' is not allowed: use one of auto"):
+        prunelight.prune(tiny_model(), {"allocation": "global"}, calibration, scores=scores, export_format="gguf")
+
+
+def test_prune_for_an_export_format_keeps_its_shapes():
+    calibration = _calibration()
+    model, plan = prunelight.prune(tiny_model(), {"ratio": 0.3, "allocation": "global"}, calibration,
+                                 export_format="stock")
+    widths = {(m.self_attn.k_proj.out_features, m.mlp.up_proj.out_features) for m in model.model.layers}
+    assert len(widths) == 1 and plan.meta["removed_fraction_total"] > 0.2  # stock: one shape in every layer
+
+
 def test_import_stays_cheap():
     code = ("import sys, prunelight; mods = [m for m in sys.modules if m.startswith('prunelight.')]; "
             "print(','.join(sorted(mods)))")

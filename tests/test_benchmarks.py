@@ -1,7 +1,9 @@
-"""The three benchmark scripts run end to end at tiny sizes and write their JSON (no timed asserts)."""
+"""The benchmark scripts cut only through the public API and share one harness (read from their source), and the
+three that write results run end to end at tiny sizes (no timed asserts)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -9,14 +11,130 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# Internals that make a cut (or part of one): a script reaches them only through prunelight.prune / score /
+# apply_plan and the `prunelight` command, so what it measures is the cut a run makes.
+CUT_MODULES = {"prunelight.cut", "prunelight.pipeline", "prunelight.surgery", "prunelight.reconstruct",
+               "prunelight.layer_importance", "prunelight.allocation.calibrated", "prunelight.allocation.split_search",
+               "prunelight.allocation.width", "prunelight.allocation.layerwise", "prunelight.allocation.structural",
+               "prunelight.allocation.stock", "prunelight.allocation.served", "prunelight.allocation.align"}
+CUT_NAMES = {"run_cut", "make_plan", "allocate", "precheck", "measure_probes", "cut_and_reconstruct",
+             "measured_scores", "layer_importances", "subblock_removal", "adopt_plan", "prepare_cut", "scoring_pass",
+             "mask_units", "apply_plan"}
+PUBLIC = {"prune", "score", "apply_plan", "PruneSettings", "PrunePlan", "Scores", "bench", "__version__"}
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every import in a parsed file."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.module, a.name) for a in node.names]
+    return found
+
+
+def _script_problems(path: Path, scripts: set[str]) -> list[str]:
+    """What in one script breaks the rules: another script imported, a cut made outside the public API."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    problems = []
+    for module, name in _imports(tree):
+        if module.split(".")[0] in scripts:
+            problems.append(f"imports the script {module}")
+        if module in CUT_MODULES or (name and f"{module}.{name}" in CUT_MODULES):
+            problems.append(f"imports {module}{'.' + name if name else ''} (cut internals)")
+        elif module == "prunelight" and name is not None and name not in PUBLIC:
+            problems.append(f"imports prunelight.{name} (not public)")
+        elif name in CUT_NAMES and module != "prunelight":
+            problems.append(f"imports {name} from {module} (a cut outside the public API)")
+    for node in ast.walk(tree):  # prunelight.cut.run_cut(...), surgery.apply_plan(...) reached as attributes
+        if isinstance(node, ast.Attribute) and node.attr in CUT_NAMES:
+            base = node.value
+            if not (isinstance(base, ast.Name) and base.id == "prunelight" and node.attr in PUBLIC):
+                problems.append(f"line {node.lineno}: calls .{node.attr} (a cut outside the public API)")
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained" \
+                and getattr(node.func.value, "id", None) == "AutoModelForCausalLM":
+            problems.append(f"line {node.lineno}: loads a model itself (prunelight.bench.load_model is the harness's)")
+        loader = getattr(node.func, "attr", getattr(node.func, "id", None)) if isinstance(node, ast.Call) else None
+        if loader in ("import_module", "spec_from_file_location", "run_path"):  # a script imported by its name
+            named = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            problems += [f"line {node.lineno}: loads the script {n}" for n in named if Path(n).stem in scripts]
+    return problems
+
+
+def test_scripts_cut_only_through_the_public_api_and_import_no_other_script():
+    paths = sorted(SCRIPTS.glob("*.py"))
+    scripts = {p.stem for p in paths}
+    problems = {p.name: _script_problems(p, scripts) for p in paths}
+    assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_the_rule_catches_what_it_forbids(tmp_path):
+    """The AST check itself: each forbidden shape in a made-up script is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from benchmark_methods import prepare_data\nfrom prunelight.cut import run_cut\n"
+                   "from prunelight.allocation import allocate\nimport prunelight.surgery\n"
+                   "from prunelight import pipeline\nimport prunelight\nprunelight.surgery.apply_plan(m, p)\n"
+                   "from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained('x')\n"
+                   "prunelight.apply_plan(m, p)\nprunelight.prune(m)\nimportlib.import_module('benchmark_methods')\n")
+    problems = _script_problems(bad, {"benchmark_methods", "bad"})
+    assert len(problems) == 8, problems
+    assert not any("prunelight.apply_plan" in p or ".prune" in p for p in problems)
+
+
+def test_scripts_share_one_harness():
+    """Scripts that measure models use prunelight.bench (data, perplexity, cuts, results, workers)."""
+    users = {p.stem for p in SCRIPTS.glob("*.py") if ("prunelight", "bench") in _imports(ast.parse(p.read_text()))}
+    assert {"benchmark_calibrated", "benchmark_methods", "benchmark_quality_vs_size", "benchmark_scoring_cost",
+            "benchmark_speed", "benchmark_vllm_speed", "compare_methods", "serve_check"} <= users
+
+
+def test_scorer_cuts_equal_the_run_cut_for_every_allocation():
+    """bench.Scorer scores once for many cuts, and each cut is the one prunelight.prune makes from scratch."""
+    import prunelight
+    from prunelight import bench
+    from prunelight.allocation import ALLOCATIONS
+    from prunelight.testing import tiny_model
+
+    calibration = list(torch.split(torch.randint(3, 128, (16, 16), generator=torch.Generator().manual_seed(0)), 8))
+    model = tiny_model(seed=0)
+    scorer = bench.Scorer(model, calibration)
+    cells = [bench.cell_settings(a, "taylor", 0.3, importance_batches=1) for a in ALLOCATIONS]
+    cells.append(bench.cell_settings("blockwise", "taylor", 0.3, importance_batches=1, block_importance="removal"))
+    for settings in cells:
+        allocation = settings.allocation
+        pruned, plan, _ = bench.cut_copy(model, settings, calibration, scores=scorer(settings))
+        _, direct = prunelight.prune(tiny_model(seed=0), settings, calibration)
+        assert plan.to_dict()["layers"] == direct.to_dict()["layers"], allocation
+        assert plan.drop_layers == direct.drop_layers, allocation
+    assert set(scorer.seconds) == {"taylor"}  # one scoring pass of the criterion for every allocation
+
+
+def test_memory_table_counts_parameters_with_the_run_budget(tmp_path):
+    """memory_table's counts are the run's Budget on a weightless copy: any family, tied embeddings once."""
+    from prunelight.allocation import make_budget
+    from prunelight.settings import PruneSettings
+    from prunelight.testing import make_tiny_checkpoint, tiny_model
+
+    table = _script("memory_table")
+    for family in ("phi3", "gemma2"):  # fused projections; tied embeddings and extra norms
+        folder = make_tiny_checkpoint(tmp_path / family, family)
+        arch = table.arch(str(folder), 0.3)
+        budget = make_budget(tiny_model(family), PruneSettings(ratio=0.3))
+        assert arch.params() == budget.total == sum(p.numel() for p in tiny_model(family).parameters())
+        assert arch.params(pruned=True) == budget.total - budget.target
+        assert 0 < arch.keep() < 1 and arch.lora_params(8) > arch.lora_params(8, arch.keep()) > 0
+    text = table.render(table.arch("llama3-8b", 0.2), 2048, 1, 0.2, 16, 8)
+    assert "8.03B parameters, 6.42B after removing 20%" in text
 
 
 def _script(name: str):
-    sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses in a script look their module up by name
     spec.loader.exec_module(module)
     return module
 

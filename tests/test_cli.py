@@ -212,3 +212,25 @@ def test_bad_input_exits_with_one_line(tiny_job, tmp_path, name):
     assert "Traceback" not in proc.stderr and "Does not validate against any of the Union" not in proc.stderr
     assert not (tmp_path / "runs" / "reference" / "model").exists(), "nothing may be written on bad input"
     assert elapsed < 120, f"took {elapsed:.0f} s to refuse"
+
+
+def test_help_shows_each_option_docstring(capsys):
+    """`fit --help` carries the settings fields' docstrings, not only their types and defaults."""
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text at the terminal width
+    assert "Fraction of all the model's parameters to remove, in (0, 1)." in out  # PruneSettings.ratio
+    assert "GQA groups every layer keeps" in out  # PruneSettings.min_groups
+
+
+def test_run_output_has_no_lightning_tips_and_one_layout_note(tiny_job, tmp_path):
+    """A run prints no "Tip: ... litlogger / litmodels" advert, and the export's layout choice once."""
+    _, _, _, args = tiny_job
+    # reconstruct: bias adds o_proj/down_proj biases, which the Nemotron-NAS layout cannot state: the export says so
+    ran = _run(args + ["--model.recovery=none", "--prune.reconstruct=bias", "--trainer.enable_progress_bar=false",
+                       "--export.out_dir=runs/b"], tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    text = ran.stdout + ran.stderr
+    assert "litlogger" not in text and "litmodels" not in text and "Tip:" not in text
+    assert text.count("the Nemotron-NAS layout cannot state these shapes") == 1, text[-3000:]
+    assert (tmp_path / "runs" / "b" / "model" / "README.md").exists()

@@ -64,21 +64,24 @@ class ExportCallback(L.Callback):
             record.overlap = {**trainer.datamodule.overlap, **record.overlap}
         if self.evaluator is not None and self.evaluator.settings.suite is not None:
             record.evaluation_settings = self.evaluator.settings.suite.as_dict()
+        config = None  # the exported folder's config (rank 0, when the model is exported)
         if trainer.is_global_zero:
             if self.settings.model:
+                # made once: the export, its format fields and both model cards read it (its layout note said once)
                 config = export_config(final, self.settings.format)
                 record.export_format, record.engines_verified = format_of(config), engines_verified(config)
                 t0 = time.perf_counter()
                 with progress(None, "export", total=1, unit="folder") as bar:
                     export_pretrained(final, self.out_dir / "model", tokenizer=pl_module.load_tokenizer(),
-                                      format=self.settings.format, card=self._card(record, final),
-                                      license_from=pl_module.pretrained if pl_module.model_config is None else None)
+                                      format=self.settings.format, card=self._card(record, config),
+                                      license_from=pl_module.pretrained if pl_module.model_config is None else None,
+                                      config=config)
                     bar.update(1)
                 record.times_s["export"] = time.perf_counter() - t0
                 record.export_dir = str(self.out_dir / "model")
         self._measure_final(trainer, pl_module, sharded)
         if trainer.is_global_zero and record.export_dir:  # the card again, now with the recovered perplexity
-            atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, final))
+            atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, config))
         if trainer.is_global_zero:
             report = record.to_dict()
             if self.settings.figures:
@@ -88,9 +91,9 @@ class ExportCallback(L.Callback):
         if trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-export")  # no rank leaves fit before the export is on disk
 
-    def _card(self, record, model) -> str:
-        """The model card of the exported folder from the record so far (see prunelight.model_card)."""
-        config = export_config(model, self.settings.format)  # what config.json states (fallback family)
+    def _card(self, record, config) -> str:
+        """The model card of the exported folder from the record so far (see prunelight.model_card); `config` is
+        what config.json states (its fallback family)."""
         return model_card(record.to_dict(), config=config, command=_command_line())
 
     def _merge(self, trainer: L.Trainer, pl_module, sharded: bool):
