@@ -1,8 +1,8 @@
 """The Python API for notebooks and benchmarks: `prune`, `score` and `apply_plan`.
 
-`prune(model, settings, calibration)` is the run's own cut (`checks.check_run`, then `cut.run_cut`: saved plan or
-scores, scoring, allocation, reconstruction and surgery). `score` is that run's scoring pass alone, and
-`prune(..., scores=...)` the rest of it from those scores (the same `run_cut`, with its default repair): score
+`prune(model, settings, calibration)` is the run's own cut (`run_plan.prepare_run`, then `cut.run_cut` with that
+plan: saved plan or scores, scoring, allocation, reconstruction and surgery). `score` is that run's scoring pass
+alone, and `prune(..., scores=...)` the rest of it from those scores (the same `run_cut`, with its default repair): score
 once, cut many ways, and every cut is one a `prunelight fit` run would make. `apply_plan` is `surgery.apply_plan`
 behind the saved plan's fit check; nothing is cut any other way. `import prunelight` stays cheap: the package
 reaches this module on first use.
@@ -19,11 +19,10 @@ from torch import nn
 
 from prunelight.allocation import Shape, shape_of_format
 from prunelight.allocation.shapes import EXPORT_SHAPES
-from prunelight.checks import RunFacts, check_run
 from prunelight.cut import run_cut
-from prunelight.families import unwrap
 from prunelight.pipeline import load_plan_checked, scoring_pass
 from prunelight.plan import PrunePlan
+from prunelight.run_plan import RunFacts, prepare_run
 from prunelight.saved import SavedScores, check_plan_fits, model_facts
 from prunelight.settings import PruneSettings
 from prunelight.surgery import apply_plan as _apply_plan
@@ -77,8 +76,9 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     s = as_settings(settings)
     batches = as_batches(calibration)
     shape = _shape(export_format)
-    check_run(s, shape, unwrap(model).config, RunFacts(has_calibration=bool(batches), has_scores=scores is not None))
-    return model, run_cut(model, batches, s, shape, scores=scores).plan
+    run = prepare_run(s, shape, run=RunFacts(has_calibration=bool(batches), has_scores=scores is not None),
+                      model=model)
+    return model, run_cut(model, batches, run, scores=scores).plan
 
 
 def score(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = None,
@@ -90,7 +90,7 @@ def score(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     """
     s = as_settings(settings)
     batches = as_batches(calibration)
-    check_run(s, Shape.FREE, unwrap(model).config, RunFacts(has_calibration=bool(batches)))
+    prepare_run(s, Shape.FREE, run=RunFacts(has_calibration=bool(batches)), model=model)  # its refusals, nothing else
     return scoring_pass(model, batches, s)
 
 

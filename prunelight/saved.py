@@ -245,9 +245,9 @@ def check_scores_cover(saved: SavedScores, settings) -> None:
                          f"(prune.report_layer_importance: [{settings.layer_importance}]), or choose "
                          f"prune.layer_importance among those it has")
     if row.block_removal(settings) and not saved.block_importance:
-        raise ValueError(f"{src} has no sub-block removal importance, which block_importance=removal needs: make the "
-                         "scores with a run of prune.allocation=blockwise and prune.block_importance=removal, or "
-                         "use block_importance=units")
+        raise ValueError(f"{src} has no sub-block removal importance, which allocation {alloc} with "
+                         "block_importance=removal needs: make the scores with a run of these settings, or use "
+                         "block_importance=units")
 
 
 def check_scores_fit_config(saved: SavedScores, settings, config) -> None:
@@ -364,10 +364,13 @@ def check_plan_fits(plan: PrunePlan, applies_to: dict[str, Any] | None, facts: d
         refuse(f"drop_layers {plan.drop_layers} are not distinct layers in [0, {n})")
 
 
-def check_saved_inputs(settings, config) -> None:
-    """`prune.plan` / `prune.scores` read and checked against the model's config (before the weights load)."""
+def read_saved_inputs(settings, config) -> tuple[PrunePlan | None, SavedScores | None]:
+    """`prune.plan` / `prune.scores` read once and checked against the model's config (before the weights load)."""
+    plan = scores = None
     if settings.plan:
         plan, applies_to = load_plan(settings.plan)
         check_plan_fits(plan, applies_to, config_facts(config), settings.plan)
     if settings.scores:
-        check_scores_fit_config(load_scores(settings.scores), settings, config)
+        scores = load_scores(settings.scores)
+        check_scores_fit_config(scores, settings, config)
+    return plan, scores

@@ -22,7 +22,7 @@ def align_channels(
         return removed
     n = budget.num_layers
     live = [i for i in range(n) if i not in fixed and len(removed["mlp"][i]) < budget.n_chans[i]]
-    for i in live:
+    for i in live:  # refused before any data by the FREE shape's size check (a direct call still hears it)
         if budget.n_chans[i] < multiple:
             raise ValueError(
                 f"align_channels={multiple} exceeds layer {i}'s {budget.n_chans[i]} MLP channels; "

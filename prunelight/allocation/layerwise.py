@@ -45,12 +45,11 @@ def layer_rates(importance: Sequence[float], budget: Budget, rates: LayerRates) 
     sign = {"inverse": -1.0, "proportional": 1.0, "uniform": 0.0}[strategy]
     w = [math.exp(sign * alpha * zi) for zi in z]
     frozen = set(sorted(range(n), key=lambda i: (-imp[i], i))[:freeze_top_n])
-    sizes = [budget.layer_units(i) for i in range(n)]
-    lim_g, lim_c = budget.limits("attn"), budget.limits("mlp")
-    cap = [(lim_g[i] * budget.g_cost + lim_c[i] * budget.c_cost) / sizes[i] for i in range(n)]
-    lo = [0.0 if i in frozen else min(rate_range[0], cap[i]) for i in range(n)]
-    hi = [0.0 if i in frozen else min(rate_range[1], cap[i]) for i in range(n)]
+    sizes, lo_all, hi_all = _rate_bounds(budget, rate_range)
+    lo = [0.0 if i in frozen else v for i, v in enumerate(lo_all)]
+    hi = [0.0 if i in frozen else h for i, h in enumerate(hi_all)]
     most, least = sum(h * s for h, s in zip(hi, sizes)), sum(v * s for v, s in zip(lo, sizes))
+    # check_layerwise refused, before any data, what fails here for any frozen layers (a direct call still hears)
     if budget.target > most:
         raise ValueError(
             f"layer rates cannot meet the budget: {budget.target:,} parameters must go but at most {int(most):,} can "
@@ -121,20 +120,37 @@ def allocate_layerwise(inp: AllocationInputs) -> Removal:
                                        freeze_top_n=lw.freeze_top_n, importance_scale=lw.importance_scale))
 
 
+def _rate_bounds(budget: Budget, rate_range: tuple[float, float]) -> tuple[list[int], list[float], list[float]]:
+    """Per layer: its prunable parameters and its lowest and highest rate (the range within min_groups/channels)."""
+    n = budget.num_layers
+    sizes = [budget.layer_units(i) for i in range(n)]
+    lim_g, lim_c = budget.limits("attn"), budget.limits("mlp")
+    cap = [(lim_g[i] * budget.g_cost + lim_c[i] * budget.c_cost) / sizes[i] for i in range(n)]
+    return sizes, [min(rate_range[0], c) for c in cap], [min(rate_range[1], c) for c in cap]
+
+
 def check_layerwise(budget: Budget, settings, shape: Shape) -> None:
-    """Refuse a freeze or rate range that leaves too little to prune (model sizes only), then the removable check."""
+    """Refuse a freeze or rate range that cannot meet the budget whichever layers importance freezes (model sizes
+    only): `layer_rates`' own refusals are then unreachable after scoring. Then the removable check."""
     rates = settings.layerwise
-    if rates.freeze_top_n >= budget.num_layers:
+    n, k = budget.num_layers, rates.freeze_top_n
+    if k >= n:
         raise ValueError(
-            f"prune.layerwise.freeze_top_n={rates.freeze_top_n} is not allowed: the model has {budget.num_layers} "
-            "layers and at least one must be prunable"
+            f"prune.layerwise.freeze_top_n={k} is not allowed: the model has {n} layers and at least one must be "
+            "prunable"
         )
-    sizes = sorted((budget.layer_units(i), i) for i in range(budget.num_layers))
-    pruned = [i for _, i in sizes[rates.freeze_top_n:]]  # optimistic: the smallest layers frozen
-    most = sum(min(rates.rate_range[1], 1.0) * budget.layer_units(i) for i in pruned)
+    sizes, lo, hi = _rate_bounds(budget, rates.rate_range)
+    # The worst case: the k layers giving the most frozen for `most`, those giving the least frozen for `least`.
+    most = sum(sorted(h * s for h, s in zip(hi, sizes))[:n - k])
+    least = sum(sorted(v * s for v, s in zip(lo, sizes))[k:])
     if budget.target > most:
         raise ValueError(
             f"{asked(settings)} is not allowed here: it needs {budget.target:,} parameters but layer rates up to "
-            f"{rates.rate_range[1]} on {len(pruned)} unfrozen layer(s) remove at most {int(most):,}"
+            f"{rates.rate_range[1]} on {n - k} unfrozen layer(s) remove at most {int(most):,}"
+        )
+    if budget.target < least:
+        raise ValueError(
+            f"{asked(settings)} is not allowed here: the low rate {rates.rate_range[0]} alone removes {int(least):,} "
+            f"parameters, more than the {budget.target:,} asked; lower prune.layerwise.rate_range or raise the ratio"
         )
     check_removable(budget, settings, shape)

@@ -160,7 +160,7 @@ def served_width(scores: UnitScores, budget: Budget, align: int = 1, drop: set[i
     pool = cands
     if groups_kept is not None:
         pool = [c for c in cands if c["groups_kept"] == groups_kept]
-        if not pool:
+        if not pool:  # unreachable in a run: the layout search passes a count from these same candidates
             raise ValueError(f"no served layout keeps {groups_kept} group(s) per attention within the budget")
     if attn_share is not None:
         chosen = min(pool, key=lambda c: (abs(c["attn_share_removed"] - attn_share), c["removed_score"]))

@@ -30,6 +30,10 @@ def _free_sizes(budget: Budget, settings: PruneSettings, shape: Shape) -> None:
     share = settings.attn_share
     if share is not None:
         kind_targets(budget, share)  # each side can give its share of the budget
+    m = settings.align_channels
+    if m > 1 and m > min(budget.n_chans):  # align_channels' own refusal, before any data
+        raise ValueError(f"prune.align_channels={m} is not allowed: it exceeds the {min(budget.n_chans)} MLP channels "
+                         "of the model's narrowest layer; use a smaller multiple")
 
 
 def _finish_free(inp: AllocationInputs, r: Removal) -> Removal:
@@ -61,7 +65,7 @@ class ShapeRule:
     check_settings: Callable[[PruneSettings], None] = _no_settings_check
     """Settings-only refusals (before any weights load)."""
     check_config: Callable[[Any], None] | None = None
-    """Model-config refusals (family, attention kind: before any weights load); `check_run` and `precheck` run it."""
+    """Model-config refusals (family, attention kind: before any weights load); the run plan runs it (`prepare_run`, `precheck`)."""
     check_sizes: Callable[[Budget, PruneSettings, Shape], None] | None = None
     """Model-size refusals (before data is read); skipped for allocations that drop layers (known after scoring)."""
     finish: Callable[[AllocationInputs, Removal], Removal] = _finish_as_is

@@ -118,7 +118,7 @@ def stock_width(scores: UnitScores, budget: Budget, align: int = 1, drop: set[in
     cands = candidates(scores, budget, align, drop)
     if groups_removed is not None:
         match = [c for c in cands if c["groups_removed_per_layer"] == groups_removed]
-        if not match:
+        if not match:  # unreachable in a run: the shape search passes a count from these same candidates
             raise ValueError(f"no uniform shape removes {groups_removed} group(s) per layer within the budget")
         chosen, how = match[0], "given"
     else:

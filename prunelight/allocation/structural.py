@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prunelight.allocation.base import AllocationInputs, Removal
+from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed
 from prunelight.allocation.stock import allocate_uniform_shape
-from prunelight.allocation.width import global_width
+from prunelight.allocation.width import asked, check_keeps_a_layer, global_width
 from prunelight.importance.base import UnitScores
 
 
@@ -16,9 +16,48 @@ def block_scores_from_units(scores: UnitScores) -> dict[str, list[float]]:
     return {kind: [float(t.float().sum()) for t in scores[kind]] for kind in ("attn", "mlp")}
 
 
+def _block_total(budget: Budget, kind: str, i: int) -> int:
+    """Every parameter of one sub-block (its units and what only it holds: biases, its norm)."""
+    return budget.sizes(kind)[i] * budget.cost(kind) + (budget.attn_extra if kind == "attn" else budget.mlp_extra)[i]
+
+
 def _remove_block(budget: Budget, removed: Removed, kind: str, i: int) -> int:
     removed[kind][i] = set(range(budget.sizes(kind)[i]))
-    return budget.sizes(kind)[i] * budget.cost(kind) + (budget.attn_extra if kind == "attn" else budget.mlp_extra)[i]
+    return _block_total(budget, kind, i)
+
+
+def check_blockwise(budget: Budget, settings, shape: Shape) -> None:
+    """Without fill_width, whole sub-blocks must reach the budget whichever one importance keeps last (the last is
+    never removed): model sizes only, so `blockwise`'s own shortfall refusal is unreachable after scoring."""
+    if settings.fill_width:  # width pruning takes the rest: with min_groups = min_channels = 0 it could empty all
+        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)
+        return
+    totals = [_block_total(budget, k, i) for k in ("attn", "mlp") for i in range(budget.num_layers)
+              if budget.sizes(k)[i]]
+    most = sum(totals) - max(totals, default=0)
+    if budget.target > most:
+        raise ValueError(f"{asked(settings)} is not allowed with allocation blockwise and fill_width: false: whole "
+                         f"sub-blocks give at most {most:,} of the {budget.target:,} parameters asked (one sub-block "
+                         "always stays); lower the ratio or set prune.fill_width: true")
+
+
+def check_depth(budget: Budget, settings, shape: Shape) -> None:
+    """Whichever layers importance orders first, depth must drop at least one layer and keep at least one (model
+    sizes only): `depth`'s own refusals are unreachable after scoring."""
+    sizes = [budget.layer_total(i) for i in range(budget.num_layers)]
+    total, largest = sum(sizes), max(sizes)
+    if settings.fill_width:
+        every = budget.target >= total  # layers go while they fit in the target
+        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)  # width fills the kept ones
+    else:
+        if 2 * budget.target < largest:  # the first layer in the order must be nearer the target than nothing
+            raise ValueError(f"{asked(settings)} is not allowed with allocation depth and fill_width: false: it asks "
+                             f"{budget.target:,} parameters, less than half a layer ({largest:,}); raise the ratio or "
+                             "set prune.fill_width: true")
+        every = 2 * total - largest <= 2 * budget.target  # the last layer too is nearer the target than without it
+    if every:
+        raise ValueError(f"{asked(settings)} is not allowed with allocation depth: it would drop all "
+                         f"{budget.num_layers} layers ({total:,} parameters); lower the ratio")
 
 
 def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequence[float]] | None = None,
@@ -51,7 +90,7 @@ def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequen
     if fill_width and total < budget.target:
         # Width pruning of the remaining sub-blocks takes the rest; removed ones count as already taken.
         global_width(scores, budget, removed=removed, layers=None)
-    elif total < budget.target:
+    elif total < budget.target:  # unreachable after check_blockwise (a direct call still hears it)
         raise ValueError(f"blockwise removal reached only {total:,} of {budget.target:,} parameters; lower the ratio")
     return removed, gone
 
@@ -77,7 +116,7 @@ def depth(
             break
         drop.add(i)
         total += size
-    if not fill_width and not drop:
+    if not fill_width and not drop:  # this and the next: unreachable after check_depth (direct calls still hear them)
         raise ValueError(f"ratio {budget.ratio} is less than half a layer; depth pruning would remove nothing")
     if len(drop) >= n:
         raise ValueError(f"ratio {budget.ratio} would drop all {n} layers; lower the ratio")

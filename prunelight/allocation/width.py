@@ -108,12 +108,25 @@ def check_removable(budget: Budget, settings, shape: Shape) -> None:
             f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
             f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
         )
+    check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)
+
+
+def check_keeps_a_layer(budget: Budget, settings, overshoot: int) -> None:
+    """With min_groups and min_channels 0 every layer could empty: refuse a target whose removal (which lands below
+    target + `overshoot`) may reach every layer's parameters, so `build_plan`'s refusal is unreachable."""
+    if settings.min_groups or settings.min_channels or budget.kv_groups:
+        return  # every layer keeps a unit (a KV-cache target removes groups only)
+    layers = sum(budget.layer_total(i) for i in range(budget.num_layers))
+    if budget.target + overshoot > layers:
+        raise ValueError(f"{asked(settings)} is not allowed with prune.min_groups=0 and min_channels=0: it would "
+                         f"remove every decoder layer ({layers:,} parameters); lower the ratio")
 
 
 def check_uniform(budget: Budget, settings, shape: Shape) -> None:
     """`uniform` with free shapes: the equal counts must reach the budget (a KV-cache target counts groups only)."""
     if shape is Shape.FREE and not budget.kv_groups:
         uniform_counts(budget)
+        check_keeps_a_layer(budget, settings, budget.num_layers * settings.align_channels * budget.c_cost)
 
 
 def asked(settings) -> str:
