@@ -112,6 +112,8 @@ def cli_main(args: list[str] | None = None, run: bool = True):
     """Entry point; `args` lets tests call it in-process. `evaluate` goes to prunelight.evaluation.command, `sweep`
     to prunelight.sweep.command."""
     argv = sys.argv[1:] if args is None else list(args)
+    # `--help` of every subcommand shows each settings field's docstring (the attribute docstrings under it).
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     if argv and argv[0] == "sweep":
         from prunelight.sweep.command import sweep_main
 
@@ -124,8 +126,6 @@ def cli_main(args: list[str] | None = None, run: bool = True):
         _env.offline_if_unreachable()
     _env.deepspeed_logs_to_stderr()
     _env.quiet_lightning_tips()
-    # `--help` shows each settings field's docstring (the attribute docstrings under every field).
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     quiet = {"exit_on_error": False}  # parse errors raise, and main() prints them as one line
     return PrunelightCLI(
         PruneLM,

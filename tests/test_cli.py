@@ -223,6 +223,14 @@ def test_help_shows_each_option_docstring(capsys):
     assert "GQA groups every layer keeps" in out  # PruneSettings.min_groups
 
 
+def test_sweep_help_shows_each_option_docstring(capsys):
+    """`sweep --help` carries SweepSettings' docstrings too (the docstring parsing is set before the dispatch)."""
+    with pytest.raises(SystemExit):
+        cli_main(["sweep", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Optuna storage: null = a journal file" in out  # SweepSettings.storage
+
+
 def test_run_output_has_no_lightning_tips_and_one_layout_note(tiny_job, tmp_path):
     """A run prints no "Tip: ... litlogger / litmodels" advert, and the export's layout choice once."""
     _, _, _, args = tiny_job
