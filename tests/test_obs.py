@@ -93,3 +93,62 @@ def test_steps_beyond_the_units_are_refused():
     w, x, cols = _layer(out=2, units=3, block=1, tokens=20)
     with pytest.raises(ValueError, match="steps=4"):
         greedy_removal(w, x.T @ x, cols, steps=4, lam=0.1)
+
+
+# --- the criterion and the reconstruction on a tiny model ----------------------------------------------------------
+def _tiny_batches(n: int = 3, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (2, 24), generator=g) for _ in range(n)]
+
+
+def _prune(criterion: str, reconstruct: str, seed: int = 0, intermediate: int = 24):
+    import prunelight
+    from prunelight.testing import tiny_model
+
+    model = tiny_model("llama", seed=seed, intermediate_size=intermediate)
+    settings = {"criterion": criterion, "allocation": "uniform", "ratio": 0.15, "reconstruct": reconstruct}
+    if criterion == "random":
+        settings["criterion_args"] = {"seed": 1}
+    return prunelight.prune(model, settings, _tiny_batches())
+
+
+def test_obs_reconstruction_keeps_the_plans_counts_and_picks_the_obs_criterions_units():
+    """With uniform counts, any criterion + `reconstruct: obs` keeps exactly the units the `obs` criterion ranks
+    lowest (both are greedy OBS on the same dense Gram), and plan.json states the units actually kept."""
+    from prunelight.families import get_family
+
+    m_obs, p_obs = _prune("obs", "least_squares")
+    m_rand, p_rand = _prune("random", "obs")
+    for a, b in zip(p_obs.layers, p_rand.layers):
+        assert a.keep_channels == b.keep_channels
+        assert a.keep_groups == b.keep_groups
+    shapes = get_family(m_rand).layer_shapes(m_rand)
+    for lp, s in zip(p_rand.layers, shapes):
+        assert s.intermediate_size == len(lp.keep_channels) < 24
+    # the random criterion alone would have kept other channels
+    _, p_plain = _prune("random", "least_squares")
+    assert any(a.keep_channels != b.keep_channels for a, b in zip(p_plain.layers, p_rand.layers))
+
+
+def test_obs_reconstruction_output_error_is_at_most_the_planned_cut():
+    import prunelight
+    from prunelight.testing import tiny_model
+
+    model = tiny_model("llama", seed=0, intermediate_size=24)
+    settings = {"criterion": "random", "criterion_args": {"seed": 1}, "allocation": "uniform", "ratio": 0.15,
+                "reconstruct": "obs"}
+    from prunelight.cut import run_cut
+    from prunelight.settings import PruneSettings
+
+    res = run_cut(model, _tiny_batches(), PruneSettings(**settings))
+    figs = res.reconstruction["sub_blocks"]
+    assert figs and all(f["rel_err_after"] <= f["rel_err_before"] + 1e-9 for f in figs)
+    assert res.reconstruction["method"] == "obs"
+    del prunelight
+
+
+def test_obs_criterion_refuses_a_bad_ridge():
+    from prunelight.importance import build_criterion
+
+    with pytest.raises(ValueError, match="ridge=0"):
+        build_criterion("obs", ridge=0)
