@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-_COMPACT = 32  # steps between dropping eliminated columns from W and Hinv
+_COMPACT = 16  # steps between dropping eliminated columns from W and Hinv
 
 
 @dataclass
@@ -82,21 +82,26 @@ def greedy_removal(weight: torch.Tensor, gram: torch.Tensor, columns: torch.Tens
     for step in range(steps):
         cand = alive.nonzero().squeeze(1)
         p = pos[cand]  # [c, block]
-        blocks = hinv[p.unsqueeze(2), p.unsqueeze(1)]  # [c, block, block] Hinv_SS
-        ws = w_live[:, p].permute(1, 0, 2)  # [c, out, block] W_S
-        if block == 1:
-            costs = ws.squeeze(2).square().sum(1) / blocks.view(-1)
+        if block == 1:  # one column a unit: ΔE_j = ||W_:j||² / Hinv_jj
+            costs = w_live.square().sum(0)[p[:, 0]] / hinv.diagonal()[p[:, 0]]
         else:
+            blocks = hinv[p.unsqueeze(2), p.unsqueeze(1)]  # [c, block, block] Hinv_SS
+            ws = w_live[:, p].permute(1, 0, 2)  # [c, out, block] W_S
             chol, _ = torch.linalg.cholesky_ex(blocks)
             sol = torch.cholesky_solve(ws.transpose(1, 2), chol)  # (Hinv_SS)⁻¹ W_Sᵀ  [c, block, out]
             costs = (ws.transpose(1, 2) * sol).sum((1, 2))
         k = int(torch.argmin(costs))
         u = int(cand[k])
         s = pos[u]
-        inv_ss = torch.linalg.inv(hinv[s][:, s]) if block > 1 else 1.0 / hinv[s, s].view(1, 1)
         row = hinv[s]  # [block, live] Hinv_S:
-        w_live -= (w_live[:, s] @ inv_ss) @ row
-        hinv -= row.T @ inv_ss @ row
+        if block == 1:  # rank-one updates
+            scale = 1.0 / float(row[0, s[0]])
+            w_live.addr_(w_live[:, s[0]].clone(), row[0], alpha=-scale)
+            hinv.addr_(row[0], row[0], alpha=-scale)
+        else:
+            inv_ss = torch.linalg.inv(hinv[s][:, s])
+            w_live -= (w_live[:, s] @ inv_ss) @ row
+            hinv -= row.T @ inv_ss @ row
         w_live[:, s] = 0  # exactly zero, not the rounding residue
         alive[u] = False
         order.append(u)

@@ -62,7 +62,7 @@ def test_final_update_is_the_least_squares_refit_of_the_kept_columns():
     w, x, cols = _layer(out=7, units=40, block=1, tokens=300, seed=1)
     gram = x.T @ x
     lam = damping(gram, 0.01)
-    res = greedy_removal(w, gram, cols, steps=35, lam=lam)  # past the compaction step (32)
+    res = greedy_removal(w, gram, cols, steps=35, lam=lam)  # past the compaction step (16)
     keep = sorted(set(range(40)) - set(res.order))
     ref = _refit(w, x, keep, lam)
     assert torch.allclose(res.weight, ref, atol=1e-8, rtol=1e-6)
