@@ -56,18 +56,20 @@ def input_grams(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[dic
     return crit.grams, int(crit.tokens)
 
 
-def stats_from_gram(w: torch.Tensor, gram: torch.Tensor, kept_cols: torch.Tensor, tokens: int) -> FitStats:
+def stats_from_gram(w: torch.Tensor, gram: torch.Tensor, kept_cols: torch.Tensor, tokens: int,
+                    wg: torch.Tensor | None = None) -> FitStats:
     """`reconstruct.FitStats` of a projection with dense inputs, from the full Gram: targets y = W x.
 
     Only the second-order sums are exact (n, G_KK, C = W G_:K, Σ||y||², e0); the first-order ones (Σx, Σy) are
-    not kept by the Gram and are zero, which no least-squares figure reads.
+    not kept by the Gram and are zero, which no least-squares figure reads. `wg`: W G when already computed.
     """
-    w64, g64 = w.double(), gram.double()
-    wg = w64 @ g64  # [out, d]
+    w64 = w.double()
+    wg = (w64 @ gram.double()) if wg is None else wg.double()  # [out, d]
     gone = torch.ones(w.shape[1], dtype=torch.bool)
     gone[kept_cols.cpu()] = False
     gone = gone.to(w.device)
-    err0 = (w64[:, gone] @ g64[gone][:, gone] * w64[:, gone]).sum()
+    w_r = w64[:, gone]
+    err0 = (w_r @ gram[gone][:, gone].double() * w_r).sum()
     return FitStats(n=torch.tensor(float(tokens), dtype=torch.float64), sum_x=torch.zeros(len(kept_cols)),
                     sum_y=torch.zeros(w.shape[0]), err0=err0, yy=(wg * w64).sum(),
                     gram=gram[kept_cols][:, kept_cols].float(), cross=wg[:, kept_cols].float())
@@ -81,6 +83,14 @@ class SubBlock:
     columns: torch.Tensor  # [units, block]
     gram: torch.Tensor  # [d, d] fp32
     weight: torch.Tensor  # [out, d] the dense o_proj / down_proj weight (fp32)
+    _wg: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def wg(self) -> torch.Tensor:
+        """W G (fp64), computed once: the cross term of every level's refit."""
+        if self._wg is None:
+            self._wg = self.weight.double() @ self.gram.double()
+        return self._wg
 
     @property
     def units(self) -> int:
@@ -126,7 +136,7 @@ class LevelsDatabase:
         return out
 
     def _refit(self, b: SubBlock, cols: torch.Tensor) -> torch.Tensor:
-        stats = stats_from_gram(b.weight, b.gram, cols, self.tokens)
+        stats = stats_from_gram(b.weight, b.gram, cols, self.tokens, b.wg)
         w_k = b.weight[:, cols]
         if self.order == "obs":  # OBS's final update: the damping of the full Gram (reconstruct: obs)
             lam = damping(b.gram, self.ridge)
