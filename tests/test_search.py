@@ -132,3 +132,22 @@ def test_bad_options_are_refused():
         SearchOptions(stages=(8, 2), survivors=(4, 1))
     with pytest.raises(ValueError, match="order='x'"):
         SearchOptions(order="x")
+
+
+def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path):
+    """The row's measurement and allocation functions, with the contract's inputs (MeasureInputs / AllocationInputs)."""
+    from types import SimpleNamespace
+
+    from prunelight.allocation.search import allocate_search, measure_search
+
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=2, offspring=3, stages=(2, 4), survivors=(3, 1), mlp_levels=8)
+    mi = SimpleNamespace(model=model, batches=_batches(), budget=budget, scores=scores, settings=settings,
+                         options=opts, reduce_sum=None, state_dir=tmp_path)
+    measured = measure_search(mi)
+    removal = allocate_search(SimpleNamespace(measured=measured))
+    total = plan_params_removed(budget, build_plan(budget, removal.removed))
+    assert removal.exact and budget.target <= total < budget.target + budget.c_cost
+    assert removal.extra["search"]["trajectory"]
+    with pytest.raises(ValueError, match="one process"):
+        measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: t}))

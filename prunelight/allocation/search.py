@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prunelight.allocation.base import Removal
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
@@ -186,13 +187,14 @@ def counts_of(removed: Removed) -> Levels:
     return {k: [len(s) for s in removed[k]] for k in KINDS}
 
 
-def finish(space: LevelSpace, levels: Levels, db: LevelsDatabase) -> Removed:
+def finish(space: LevelSpace, levels: Levels, db: LevelsDatabase, align: int = 1) -> Removed:
     """The final removal: the assignment's units, then the last channels of the orders given back (one sub-block
-    after another, most-removed first) until target <= P < target + c_cost counting everything the plan removes."""
+    after another, most-removed first, `align` at a time) until target <= P < target + align x c_cost counting
+    everything the plan removes."""
     budget = space.budget
     removed = space.removed(levels, db)
     total = plan_params_removed(budget, build_plan(budget, removed))
-    excess = (total - budget.target) // budget.c_cost
+    excess = (total - budget.target) // (budget.c_cost * align)
     layers = sorted(range(budget.num_layers), key=lambda i: -len(removed["mlp"][i]))
     live = [i for i in layers if 0 < len(removed["mlp"][i]) < budget.n_chans[i]]
     k = 0
@@ -200,8 +202,9 @@ def finish(space: LevelSpace, levels: Levels, db: LevelsDatabase) -> Removed:
         i = live[k % len(live)]
         order = db.blocks[("mlp", i)].order
         r = len(removed["mlp"][i])
-        if r > 1:
-            removed["mlp"][i].discard(order[r - 1])
+        if r > align:
+            for j in order[r - align:r]:
+                removed["mlp"][i].discard(j)
             excess -= 1
         else:
             live.remove(i)
@@ -389,4 +392,24 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     result = evolve(space, fitness, seeds, options, state_dir / "search_state.pt" if state_dir is not None else None)
     result.times_s = {"database": t_db, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
-    return finish(space, result.levels, db), result, db
+    return finish(space, result.levels, db, settings.align_channels), result, db
+
+
+def measure_search(inp) -> dict[str, Any]:
+    """The row's measurement (`MeasureInputs`): levels database and search on the calibration batches; returns the
+    final removal and the search's summary for `allocate_search`."""
+    if inp.reduce_sum is not None:
+        raise ValueError("prune.allocation='search' runs on one process (its database and search are not summed "
+                         "over ranks yet); use one device, or prune.allocation: calibrated")
+    options = inp.options if inp.options is not None else SearchOptions()
+    removed, result, _ = run_search(inp.model, inp.batches, inp.budget, inp.scores, inp.settings, options,
+                                    inp.state_dir)
+    return {"removed": removed, "search": result.as_dict()}
+
+
+def allocate_search(inp) -> Removal:
+    """Shape.FREE: the removal the search measured (already within one channel of the target: exact)."""
+    if inp.measured is None:
+        raise ValueError("allocation 'search' needs its measurement (measure_search) before allocate")
+    return Removal({k: [set(s) for s in v] for k, v in inp.measured["removed"].items()},
+                   extra={"search": {k: v for k, v in inp.measured["search"].items() if k != "levels"}}, exact=True)
