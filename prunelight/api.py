@@ -1,7 +1,7 @@
 """The Python API for notebooks: `prune(model, settings, calibration)` and `apply_plan(model, plan_or_path)`.
 
-`prune` is the run's own cut (`checks.check_run`, then `cut.run_cut`: saved plan or scores, scoring,
-allocation, reconstruction and surgery); `apply_plan` is `surgery.apply_plan` behind the saved plan's fit
+`prune` is the run's own cut (`run_plan.prepare_run`, then `cut.run_cut` with that plan: saved plan or scores,
+scoring, allocation, reconstruction and surgery); `apply_plan` is `surgery.apply_plan` behind the saved plan's fit
 check; nothing is cut any other way. `import prunelight` stays cheap: the package reaches this module on first use.
 """
 
@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from prunelight.allocation import Shape
-from prunelight.checks import RunFacts, check_run
 from prunelight.cut import run_cut
-from prunelight.families import unwrap
 from prunelight.pipeline import load_plan_checked
 from prunelight.plan import PrunePlan
+from prunelight.run_plan import RunFacts, prepare_run
 from prunelight.saved import check_plan_fits, model_facts
 from prunelight.settings import PruneSettings
 from prunelight.surgery import apply_plan as cut
@@ -64,8 +63,8 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     """
     s = as_settings(settings)
     batches = as_batches(calibration)
-    check_run(s, Shape.FREE, unwrap(model).config, RunFacts(has_calibration=bool(batches)))
-    return model, run_cut(model, batches, s).plan
+    run = prepare_run(s, Shape.FREE, run=RunFacts(has_calibration=bool(batches)), model=model)
+    return model, run_cut(model, batches, run).plan
 
 
 def apply_plan(model: nn.Module, plan_or_path: PrunePlan | dict | str | os.PathLike) -> nn.Module:

@@ -1,64 +1,24 @@
-"""`check_run`: every refusal that needs neither weights nor data, run once before any of them load.
+"""The run plan's checks: every refusal that needs neither weights nor data, each one line.
 
-Called by the CLI's `before_fit` (with the model's config: sizes, saved files, the allocation's and the
-shape's size checks on a weightless twin), by `prunelight.prune`, and by `PruningCallback.setup` with
-the run facts alone (a Trainer built in Python skips the CLI). Settings alone are checked earlier still,
-in `PruneSettings.__post_init__`. Every refusal is one line naming the bad value and what is allowed.
+`run_plan.prepare_run` runs them once per run, before any weights or data load: the run's facts against the
+settings (`check_facts`: prune_step vs max_steps / recovery, DeepSpeed, ZeRO-3 partitions, a Python call without
+calibration text), min_groups / min_channels vs the config's widths, the DeepSpeed criterion and the distillation
+teacher's config. Settings alone are checked earlier still, in `PruneSettings.__post_init__`.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from prunelight.allocation import Shape, allocation_of, check_shape, precheck
-from prunelight.allocation.shapes import SHAPES
+from prunelight.allocation import Allocation
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
-from prunelight.saved import check_saved_inputs
 from prunelight.settings import PruneSettings
 
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the trainer, the module and the data say about the run (None: not known, e.g. the Python API)."""
-
-    recovery: str | None = None  # model.recovery
-    max_steps: int | None = None  # trainer.max_steps (None or < 0: no limit)
-    deepspeed: bool = False  # the cut model continues in a fresh engine (DeepSpeed)
-    world_size: int = 1
-    num_samples: int | None = None  # data.num_samples
-    has_calibration: bool | None = None  # prunelight.prune: whether calibration tokens were given
-
-
-def check_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None, run: RunFacts | None = None) -> None:
-    """Refuse settings that this shape constraint, the run and (given its `config`) the model cannot meet."""
-    check_shape(settings, shape)
-    if run is not None:
-        _check_facts(settings, run)
-    if config is None:
-        return
-    rule = SHAPES[shape]
-    if rule.check_config is not None:
-        rule.check_config(config)  # the shape's family / attention refusals, also for a saved plan
-    _check_widths(settings, config)
-    check_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
-    twin = shape_twin_of(config)
-    if run is not None and run.deepspeed:
-        check_deepspeed_criterion(settings, twin)
-    if not settings.plan:  # a saved plan fixes the cut: no budget applies
-        precheck(twin, settings, shape)  # the allocation's and the shape's model-size checks
-
-
-def shape_twin_of(config) -> nn.Module:
-    """A weightless (meta-device) model of `config`: true shapes and parameter counts, nothing loaded."""
-    from transformers import AutoModelForCausalLM  # transformers' model registry is slow to import
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+if TYPE_CHECKING:  # the run plan imports these checks
+    from prunelight.run_plan import RunFacts
 
 
 def check_deepspeed_criterion(settings: PruneSettings, model: nn.Module) -> None:
@@ -71,7 +31,8 @@ def check_deepspeed_criterion(settings: PruneSettings, model: nn.Module) -> None
                          "fisher, entropy) or a weight-only one (magnitude)")
 
 
-def _check_facts(s: PruneSettings, run: RunFacts) -> None:
+def check_facts(s: PruneSettings, row: Allocation, run: RunFacts) -> None:
+    """The settings against what the trainer, the module and the data say about the run."""
     step = s.prune_step
     if step and run.max_steps is not None and run.max_steps >= 0 and step >= run.max_steps:
         raise ValueError(f"prune.prune_step={step} is not allowed: the run stops at trainer.max_steps="
@@ -87,6 +48,8 @@ def _check_facts(s: PruneSettings, run: RunFacts) -> None:
             raise ValueError(f"prune.reconstruct={s.reconstruct} is not allowed under DeepSpeed: the cut model is "
                              "written from gathered weights without calibration activations; use reconstruct: none, "
                              "or DDP")
+        if run.zero_stage == 3 and not s.plan:
+            check_partitioned(s, row)
         if run.num_samples is not None and run.num_samples % run.world_size and not (s.plan or s.scores):
             # ZeRO-3 gathers weights collectively in every forward: all ranks must run the same number of batches.
             raise ValueError(f"data.num_samples={run.num_samples} must be a multiple of the number of processes "
@@ -98,12 +61,40 @@ def _check_facts(s: PruneSettings, run: RunFacts) -> None:
         if not (s.plan or s.scores) and build_criterion(s.criterion, **s.criterion_args).needs_data:
             raise ValueError(f"prune.criterion={s.criterion!r} scores units on calibration text; pass calibration= "
                              "(token ids) or use a weight-only criterion such as magnitude")
-        if not s.plan and allocation_of(s.allocation).probes:
-            raise ValueError(f"prune.allocation={s.allocation!r} measures probe removals on calibration text; pass "
+        if not s.plan and row.measure is not None:
+            raise ValueError(f"prune.allocation={s.allocation!r} measures on calibration text; pass "
                              "calibration= (token ids) or use allocation global")
 
 
-def _check_widths(settings: PruneSettings, config) -> None:
+def check_partitioned(settings: PruneSettings, row: Allocation) -> None:
+    """Options that run extra forward passes on masked (written-to) weights cannot run on ZeRO-3 partitions."""
+    unsupported = [
+        name for name, bad in (
+            # layer importance measures removals by masked forwards too
+            (f"prune.allocation={settings.allocation}", row.layer_importance or not row.zero3),
+            ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
+            ("prune.block_importance=removal", settings.block_importance == "removal"),
+        ) if bad
+    ]
+    if unsupported:
+        hint = " (prune.allocation: global needs no masked forwards)" if not row.zero3 else ""
+        raise ValueError(f"not available with ZeRO-3 partitioned weights: {', '.join(unsupported)}; "
+                         f"use DeepSpeed stage 2 or DDP for these options{hint}")
+
+
+def check_teacher_config(distillation: Any, config, teacher_config) -> None:
+    """A named distillation teacher must share the model's vocabulary (and, with `hidden`, its hidden size)."""
+    source = distillation.teacher
+    want, have = config.vocab_size, teacher_config.vocab_size
+    if want != have:
+        raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "
+                         f"tokens, the model's {want}; use a teacher with the same tokenizer")
+    if distillation.hidden and teacher_config.hidden_size != config.hidden_size:
+        raise ValueError(f"model.distillation.hidden=True is not allowed with teacher {source!r}: hidden sizes "
+                         f"differ ({teacher_config.hidden_size} vs {config.hidden_size})")
+
+
+def check_widths(settings: PruneSettings, config) -> None:
     """min_groups / min_channels against the model's widths."""
     shape = get_family(config).base_shape(config)
     for option, keep, have, what in (

@@ -23,8 +23,8 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
-from prunelight.checks import check_run
-from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
+from prunelight.run_plan import prepare_run
+from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation, refresh_allocation_choices
 from prunelight.sources import one_value
 
 log = logging.getLogger("prunelight")
@@ -42,6 +42,7 @@ class PrunelightCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        refresh_allocation_choices()  # rows registered since import are choices too
         parser.add_class_arguments(PruneSettings, "prune")
         parser.add_class_arguments(RunEvaluation, "evaluation")
         parser.add_class_arguments(ExportSettings, "export")
@@ -74,12 +75,14 @@ class PrunelightCLI(LightningCLI):
         return trainer
 
     def before_fit(self) -> None:
-        """Model, data and settings checked against each other before calibration data or weights load."""
+        """Model, data and settings checked against each other before calibration data or weights load: the run
+        plan, handed to the pruning callback (it re-checks nothing)."""
         config = self.model.check_pretrained()
         self.datamodule.check_sources()
         self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
-        check_run(self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
-                  run_facts(self.trainer, self.model))
+        self.job_callbacks[0].run_plan = prepare_run(
+            self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
+            run_facts(self.trainer, self.model))
 
     def after_fit(self) -> None:
         handoff = self.model.cut_state.handoff

@@ -2,9 +2,10 @@
 reconstruction and surgery) and `CutResult`, which the run record, plan.json and scores.pt are written from.
 
 `PruningCallback` (a `prunelight fit` run), `prunelight.prune` (the Python API) and the benchmark scripts
-all call `run_cut`, so a method measured anywhere is the method a run applies. `prepare_cut` is the part
-that needs no data (a saved plan read and checked, or the budget and saved scores): the callback runs it
-before measuring the dense model, so a bad saved file fails before any evaluation.
+all call `run_cut`, each with the run plan (`run_plan.prepare_run`: every refusal that needs no weights, and the
+budget, made once before anything loaded). `prepare_cut` is the part that needs the weights but no data (a saved
+plan read, or saved scores read and their weights fingerprint checked): the callback runs it before measuring
+the dense model, so a bad saved file fails before any evaluation.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, Shape, allocation_of, precheck
+from prunelight.allocation import Budget, Shape, allocation_of
 from prunelight.importance import UnitScores
 from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.record import CalibrationRecord, RunRecord
+from prunelight.run_plan import RunPlan, prepare_run
 from prunelight.saved import (
     PLAN_FILE,
     RUN_KEY_PARTS,
@@ -74,37 +76,43 @@ class CutResult:
         return self.budget.total - self.plan.meta["params_removed"]
 
 
-def prepare_cut(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE,
-                calibration: dict[str, Any] | None = None, twin: nn.Module | None = None) -> CutSource:
-    """Read and check the saved plan, or measure the budget and read and check the saved scores (no data read).
+def prepare_cut(model: nn.Module, run: RunPlan, calibration: dict[str, Any] | None = None,
+                twin: nn.Module | None = None) -> CutSource:
+    """Read the saved plan, or take the run plan's budget and read the saved scores and check their key (no data).
 
-    `twin`: a weightless copy that stands in for ZeRO-3 partitioned weights in the size checks;
-    `calibration` is the scores key's calibration identity.
+    `twin`: a weightless copy that stands in for ZeRO-3 partitioned weights in the plan's fit check;
+    `calibration` is the scores key's calibration identity (the key holds a fingerprint of the loaded weights).
     """
+    settings = run.settings
     if settings.plan:
         return CutSource(plan=load_plan_checked(twin or model, settings.plan))
-    budget = precheck(twin or model, settings, shape)
     saved = None
     if settings.scores:
         saved = load_scores(settings.scores)
         check_key(saved.key, scores_key(model, settings, calibration or {}), settings.scores, parts=RUN_KEY_PARTS)
-    return CutSource(budget=budget, saved=saved)
+    return CutSource(budget=run.budget, saved=saved)
 
 
-def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], settings: PruneSettings, shape: Shape = Shape.FREE,
+def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | PruneSettings, shape: Shape = Shape.FREE,
             source: CutSource | None = None, reduce_sum: ReduceSum | None = None, sharded: bool = False,
             twin: nn.Module | None = None, surgery: bool = True,
-            before_surgery: Callable[[], None] | None = None, scores: SavedScores | None = None) -> CutResult:
+            before_surgery: Callable[[], None] | None = None, scores: SavedScores | None = None,
+            state_dir: Path | None = None) -> CutResult:
     """Plan (saved plan, saved scores or a scoring pass, then allocation) and, with `surgery`, cut `model` in place.
 
-    `source` is `prepare_cut`'s answer (made here when not given). `twin` is the weightless copy that
-    counts the budget of ZeRO-3 partitioned weights (`sharded`). `before_surgery` runs just before the
+    `run` is the run plan (`run_plan.prepare_run`, checked once before anything loaded); settings alone are made
+    into one here, on `model` (with `shape`). `source` is `prepare_cut`'s answer (made here when not given).
+    `twin` is the weightless copy that stands in for ZeRO-3 partitioned weights (`sharded`). `before_surgery` runs just before the
     weights change (the distillation teacher's snapshot). The cut repairs itself with `settings.reconstruct`.
     `scores`: unit scores (and layer importance) measured earlier in this process, used as saved scores
-    (`measured_scores`; a benchmark scores once and allocates many times).
+    (`measured_scores`; a benchmark scores once and allocates many times). `state_dir`: where the allocation
+    row's measurement may keep resumable state.
     """
     t0 = time.perf_counter()
-    source = source or prepare_cut(model, settings, shape, twin=twin)
+    if isinstance(run, PruneSettings):
+        run = prepare_run(run, shape, model=twin or model)
+    settings = run.settings
+    source = source or prepare_cut(model, run, twin=twin)
     if scores is not None:
         source = CutSource(plan=source.plan, budget=source.budget, saved=scores)
     scores = None
@@ -120,7 +128,7 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], settings: PruneSe
                      source.saved.key.get("criterion"), source.saved.samples, _repair_reads(settings, batches))
         budget = source.budget
         plan, scores = make_plan(model, batches, settings, reduce_sum=reduce_sum, sharded=sharded, budget=budget,
-                                 saved=source.saved, shape=shape)
+                                 saved=source.saved, shape=run.shape, state_dir=state_dir)
     result = CutResult(plan=plan, budget=budget, scores=scores, saved=source.saved)
     result.times_s["calibration_and_allocation"] = time.perf_counter() - t0
     if surgery:
@@ -181,9 +189,9 @@ def write_saved(out: Path, result: CutResult, model: nn.Module, settings: PruneS
 def _repair_reads(settings: PruneSettings, batches) -> str:
     """What the cut still reads from the calibration batches (probe removals, the repair; forward only)."""
     reads = []
-    if allocation_of(settings.allocation).probes and not settings.plan:
+    if allocation_of(settings.allocation).measure is not None and not settings.plan:
         n = len(list(batches)[: settings.importance_batches or settings.max_calibration_batches])
-        reads.append(f"allocation {settings.allocation} probes on {n} calibration batches")
+        reads.append(f"allocation {settings.allocation} measures on {n} calibration batches")
     if settings.reconstruct != "none":
         n = len(list(batches)[: settings.max_calibration_batches])
         reads.append(f"reconstruction ({settings.reconstruct}) reads {n} calibration batches")

@@ -96,6 +96,14 @@ class PruneLM(L.LightningModule):
             return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         return sources.load_config(self.source(), trust_remote_code=self.trust_remote_code)
 
+    def teacher_config(self):
+        """The config of the named distillation teacher (`model.distillation.teacher`), or None (no weights read)."""
+        d = self.distillation
+        if d is None or not d.teacher or not d.uses_teacher:
+            return None
+        source = sources.resolve_pretrained(d.teacher, option="model.distillation.teacher")
+        return sources.load_config(source, option="model.distillation.teacher", trust_remote_code=self.trust_remote_code)
+
     def check_pretrained(self):
         """Load the config and refuse an unsupported family before any weights or data are read."""
         config = self.load_config()

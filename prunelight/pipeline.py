@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from prunelight import zero3
-from prunelight.allocation import Budget, Shape, allocate, allocation_of, make_budget, precheck
+from prunelight.allocation import Budget, MeasureInputs, Shape, allocate, allocation_of, make_budget, precheck
 from prunelight.allocation.budget import plan_meta, plan_params_removed
-from prunelight.allocation.calibrated import Probes, measure_probes
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
 from prunelight.console import progress
@@ -41,40 +41,43 @@ def make_plan(
     budget: Budget | None = None,
     saved: SavedScores | None = None,
     shape: Shape = Shape.FREE,
+    state_dir: Path | None = None,
 ) -> tuple[PrunePlan, UnitScores]:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
     `reduce_sum` sums statistics over ranks (DDP, DeepSpeed). `sharded` is for ZeRO-3 partitioned
-    weights: weight-only criteria read one gathered layer at a time, the budget is counted on a
-    weightless twin, and options that run extra forwards on masked weights are refused. A `budget`
-    already made by `allocation.precheck` for this model and settings is reused. `saved` scores
+    weights: weight-only criteria read one gathered layer at a time and the budget is counted on a
+    weightless twin (options that run extra forwards on masked weights were refused by the run plan,
+    `checks.check_partitioned`). A `budget` already made by the run plan for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
     importance measures: nothing is run on `batches`. `shape` is the layer-shape constraint (export.format);
     with `attn_mlp_split: auto`, under `Shape.UNIFORM` each uniform shape is measured on calibration NLL, under
-    `Shape.SERVED` the best served layout of each kept group count.
+    `Shape.SERVED` the best served layout of each kept group count. A row with a `measure` runs it once after
+    scoring (`state_dir`: where it may keep resumable state).
     """
-    if sharded:
-        _refuse_on_partitioned(settings)
     if budget is None:
         budget = precheck(zero3.shape_twin(model) if sharded else model, settings, shape)
     row = allocation_of(settings.allocation)
     batches = list(batches)  # read more than once: calibration, layer importance, split search
     if saved is not None:
         check_scores_cover(saved, settings)
-        scores, measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
+        scores, layer_measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
         block_scores = saved.block_importance if row.block_removal(settings) else None
         imp_batches: list[torch.Tensor] = []
     else:
-        scores, measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum, sharded)
-    layer_scores = measured.get(settings.layer_importance) if row.layer_importance else None
+        scores, layer_measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum,
+                                                                            sharded)
+    layer_scores = layer_measured.get(settings.layer_importance) if row.layer_importance else None
 
-    probes = None
-    if row.probes:  # saved or handed-in scores (prune.scores, a benchmark's) still leave the batches to probe on
-        probes = _probes(model, budget, scores, imp_batches or _importance_batches(batches, settings), reduce_sum)
+    measured = None
+    if row.measure is not None:  # saved or handed-in scores (prune.scores, a benchmark's) still leave the batches
+        measured = row.measure(MeasureInputs(
+            unwrap(model), imp_batches or _importance_batches(batches, settings), budget, scores, settings, shape,
+            settings.allocation_options, reduce_sum, state_dir))
     search = None
     share = settings.attn_share
     groups_removed = groups_kept = None
-    extras = dict(layer_scores=layer_scores, probes=probes)
+    extras = dict(layer_scores=layer_scores, measured=measured)
     if settings.attn_mlp_split == "auto" and shape is Shape.SERVED:
         groups_kept, search = _search_served(model, budget, scores, settings, extras, imp_batches, reduce_sum)
     elif settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
@@ -82,13 +85,13 @@ def make_plan(
     elif settings.attn_mlp_split == "auto":
         share, search = _search_share(model, budget, scores, settings, extras, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, probes=probes)
+                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, measured=measured)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
         plan.meta["scores_source"] = saved.source
-    if measured:
-        plan.meta["layer_importance"] = measured
+    if layer_measured:
+        plan.meta["layer_importance"] = layer_measured
     if block_scores is not None:
         plan.meta["block_importance"] = block_scores
     if search is not None:
@@ -161,43 +164,6 @@ def layer_measures(settings: PruneSettings, report: bool = True) -> list[str]:
 def _importance_batches(batches: list[torch.Tensor], settings: PruneSettings) -> list[torch.Tensor]:
     """The calibration batches the layer, sub-block and probe measures run on (prune.importance_batches)."""
     return batches[:settings.importance_batches or settings.max_calibration_batches]
-
-
-def _probes(model: nn.Module, budget: Budget, scores: UnitScores, batches: list[torch.Tensor],
-            reduce_sum: ReduceSum | None) -> Probes:
-    """The calibrated allocation's probe removals, averaged over ranks so every rank builds the same plan."""
-    if not batches:
-        raise ValueError("allocation 'calibrated' needs calibration batches to measure its probe removals")
-    probes = measure_probes(model, batches, scores, budget)
-    if reduce_sum is not None:
-        # Every rank must shrink and rescale the same numbers: losses are averaged, and so are the squared standard
-        # errors, divided by the number of ranks (the mean over W equal shards has 1/W of one shard's variance).
-        world = float(reduce_sum(torch.ones(1, dtype=torch.float64))[0])
-        probes.base_nll = mean_over_ranks([probes.base_nll], reduce_sum)[0]
-        for kind, values in probes.loss.items():
-            mean = mean_over_ranks([0.0 if v is None else v for v in values], reduce_sum)
-            probes.loss[kind] = [None if v is None else m for v, m in zip(values, mean)]
-            if probes.stderr is not None:
-                se = probes.stderr[kind]
-                var = mean_over_ranks([0.0 if v is None else v * v for v in se], reduce_sum)
-                probes.stderr[kind] = [None if v is None else (w / world) ** 0.5 for v, w in zip(se, var)]
-    return probes
-
-
-def _refuse_on_partitioned(settings: PruneSettings) -> None:
-    """Options that run extra forward passes on masked (written-to) weights cannot run on ZeRO-3 partitions."""
-    row = allocation_of(settings.allocation)
-    unsupported = [
-        name for name, bad in (
-            (f"prune.allocation={settings.allocation}", row.layer_importance or row.probes),
-            ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
-            ("prune.block_importance=removal", settings.block_importance == "removal"),
-        ) if bad
-    ]
-    if unsupported:
-        hint = " (prune.allocation: global needs no masked forwards)" if row.probes else ""
-        raise ValueError(f"not available with ZeRO-3 partitioned weights: {', '.join(unsupported)}; "
-                         f"use DeepSpeed stage 2 or DDP for these options{hint}")
 
 
 def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor],

@@ -3,13 +3,13 @@
 Every option and its default is written once, here. Each value is checked in `__post_init__`, so a
 bad value fails before any model or data is loaded, with one line naming the option, the value and
 what is allowed. Checks against the model's config, the run and the export's shape constraint are
-`checks.check_run`'s (also before any weights or data load).
+`run_plan.prepare_run`'s (also before any weights or data load).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from prunelight.allocation.base import Shape
@@ -40,6 +40,13 @@ ExportFormat = Literal[EXPORT_FORMATS]  # type: ignore[valid-type]
 ReconstructionName = Literal[RECONSTRUCTIONS]  # type: ignore[valid-type]
 
 
+def refresh_allocation_choices() -> None:
+    """The `prune.allocation` choices of a parser built from now on: the registry's rows now (a row registered after
+    import, by a plugin or a test, becomes a CLI choice; the CLI calls this before building its parser)."""
+    global AllocationName
+    AllocationName = Literal[tuple(ALLOCATION_ROWS)]  # type: ignore[valid-type]
+
+
 class SettingsError(ValueError):
     """A setting with a value that is not allowed; the message names the option, the value and what is allowed."""
 
@@ -67,6 +74,24 @@ def _number(option: str, value: Any, low: float, high: float, low_open: bool, hi
     if not ok:
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise _bad(option, value, f"must be a number in {interval}")
+
+
+def _row_options(row, args: dict[str, Any] | None) -> Any:
+    """The row's options instance from `prune.allocation_args` (defaults when empty), or None for a row without."""
+    args = dict(args or {})
+    if row.options is None:
+        if args:
+            raise _bad("prune.allocation_args", args, f"allocation {row.name!r} takes no options; leave it empty")
+        return None
+    allowed = [f.name for f in fields(row.options)]
+    unknown = [k for k in args if k not in allowed]
+    if unknown:
+        raise _bad(f"prune.allocation_args.{unknown[0]}", args[unknown[0]],
+                   f"allocation {row.name!r} takes {', '.join(allowed)}")
+    try:
+        return row.options(**args)
+    except (TypeError, ValueError) as err:
+        raise SettingsError(str(err)) from None
 
 
 @dataclass
@@ -156,10 +181,9 @@ class PruneSettings:
     report_layer_importance: list[LayerImportanceName] = field(
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
-    calibrated_reach: float = 1.5
-    """calibrated: a sub-block loses at most floor(reach x its probe slice) units and keeps at least 1/reach of
-    what its probe kept (the linear loss scale a probe gives is trusted that far; 1.5 lets a one-group probe never
-    vouch for a second group); raised by whole steps when the caps cannot meet the budget."""
+    allocation_args: dict[str, Any] = field(default_factory=dict)
+    """The allocation's own options, checked by its row's options dataclass (e.g. {reach: 2.0} for calibrated: a
+    sub-block loses at most floor(reach x its probe slice) units; docs/methods.md)."""
     reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
     contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns);
@@ -213,8 +237,8 @@ class PruneSettings:
         _integer("prune.importance_batches", self.importance_batches, 1, optional=True)
         _choice("prune.layer_importance", self.layer_importance, LAYER_IMPORTANCE)
         _choice("prune.block_importance", self.block_importance, BLOCK_IMPORTANCE)
-        _number("prune.calibrated_reach", self.calibrated_reach, 1.0, math.inf, False, True)
-        self.calibrated_reach = float(self.calibrated_reach)
+        self._allocation_options = _row_options(row, self.allocation_args)
+        self.allocation_args = dict(self.allocation_args or {})
         if isinstance(self.layerwise, dict):
             self.layerwise = LayerRates(**self.layerwise)
         if isinstance(self.split_search, dict):
@@ -268,6 +292,11 @@ class PruneSettings:
     def target(self):
         """The parsed deployment target (`allocation.targets.Target`), or None when `ratio` is the budget."""
         return self._target
+
+    @property
+    def allocation_options(self) -> Any:
+        """The allocation row's options made from `allocation_args` (None for a row without options)."""
+        return self._allocation_options
 
     @property
     def attn_share(self) -> float | None:

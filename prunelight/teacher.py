@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from prunelight.checks import check_teacher_config
 from prunelight.distill import DistillationSettings
 from prunelight import sources
 from prunelight.families import unwrap
@@ -59,12 +60,7 @@ class Teacher:
             kwargs["attn_implementation"] = self.attn_implementation
         # A hub id, a folder, a GGUF file or a pkg:// resource, resolved as `model.pretrained` is.
         model = sources.load_model(sources.resolve_pretrained(source, option=option), option, **kwargs)
-        want, have = student.config.vocab_size, model.config.vocab_size
-        if want != have:
-            raise ValueError(f"model.distillation.teacher={source!r} is not allowed: its vocabulary has {have} "
-                             f"tokens, the model's {want}; use a teacher with the same tokenizer")
-        if settings.hidden and model.config.hidden_size != student.config.hidden_size:
-            raise ValueError(f"model.distillation.hidden=True is not allowed with teacher {source!r}: hidden sizes "
-                             f"differ ({model.config.hidden_size} vs {student.config.hidden_size})")
+        if settings.teacher:  # the run plan checked a named teacher's config; the dense model is the student's own
+            check_teacher_config(settings, student.config, model.config)
         log.info("distillation teacher loaded from %s", source)
         return model

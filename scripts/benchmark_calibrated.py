@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
                                          reconstruct=args.reconstruct)
                 budget = precheck(model, settings)
                 probes = None
-                if allocation_of(allocation).probes:  # the row asks for probe removals
+                if allocation_of(allocation).measure is not None:  # the row measures probe removals
                     probes = measure_probes(measure, [torch.cat(calib)[: args.probe_samples]], scores, budget)
-                plan = allocate(budget, scores, settings, probes=probes)
+                plan = allocate(budget, scores, settings, measured=probes)
                 pruned = copy.deepcopy(model)
                 cut_and_reconstruct(pruned, plan, calib, settings)
                 res = evaluate_perplexity(pruned, evals)

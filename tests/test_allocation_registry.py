@@ -1,17 +1,30 @@
-"""Adding an allocation is one function and one registry row (docs/architecture.md, "Add an allocation").
+"""Adding an allocation is one module and one registry row (docs/architecture.md, "Add an allocation").
 
-The toy allocation below is registered in one place (`registry.ALLOCATIONS`, as a row of `ROWS` would be) and
-then runs end to end through `prunelight.prune`: the settings accept its name, `check_run` runs its pre-check
-before any data is read, `allocate` finishes its removal like any other, and the model is cut to the plan.
+The toy allocations below are registered from this module (`registry.register`, as a row of `ROWS` would be)
+and run end to end through `prunelight.prune` and a `prunelight fit`: the settings accept the name and check
+the row's own options (`prune.allocation_args`), the run plan runs the row's pre-check before any data is
+read, the row's own measurement runs once on the calibration batches after scoring, `allocate` finishes the
+removal like any other, and the model is cut to the plan. No package file names them.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import prunelight
-from prunelight.allocation import Allocation, AllocationInputs, Removal, Shape, check_shape, registry
+from prunelight.allocation import (
+    Allocation,
+    AllocationInputs,
+    MeasureInputs,
+    Removal,
+    Shape,
+    check_shape,
+    registry,
+)
 from prunelight.allocation.width import global_width
 from prunelight.families import get_family
 from prunelight.settings import PruneSettings, SettingsError
@@ -38,6 +51,71 @@ TOY = Allocation("mlp_only", {Shape.FREE: allocate_mlp_only}, precheck=check_mlp
 def toy(monkeypatch):
     monkeypatch.setitem(registry.ALLOCATIONS, TOY.name, TOY)  # the one registration: a row of the registry
     return TOY
+
+
+# --- a toy allocation with its own measurement and its own option ---------------------------------------
+@dataclass
+class SpareOptions:
+    """`spare_busiest`'s options (`prune.allocation_args`)."""
+
+    spare: int = 1
+    """How many layers, the busiest by measured MLP input, keep every MLP channel."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spare, bool) or not isinstance(self.spare, int) or self.spare < 0:
+            raise ValueError(f"prune.allocation_args.spare={self.spare!r} is not allowed: must be an integer >= 0")
+
+
+@dataclass
+class Busy:
+    """What `measure_busy` measured: the mean squared MLP input per layer, on the calibration batches."""
+
+    energy: list[float]
+    batches: int
+
+    def as_dict(self) -> dict:
+        """JSON-able, for the plan's meta."""
+        return {"energy": self.energy, "batches": self.batches}
+
+
+MEASURED: list[MeasureInputs] = []  # every call of the measurement, to count them
+
+
+@torch.no_grad()
+def measure_busy(inp: MeasureInputs) -> Busy:
+    """Mean squared input of each layer's MLP over the calibration batches (forward hooks, one pass)."""
+    MEASURED.append(inp)
+    layers = inp.model.model.layers
+    sums = [0.0] * len(layers)
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, args, i=i: sums.__setitem__(
+        i, sums[i] + float(args[0].float().pow(2).mean()))) for i, layer in enumerate(layers)]
+    try:
+        for ids in inp.batches:
+            inp.model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return Busy([v / len(inp.batches) for v in sums], len(inp.batches))
+
+
+def allocate_spare_busiest(inp: AllocationInputs) -> Removal:
+    """MLP channels only, by the criterion's scores, never from the `spare` layers of highest measured energy."""
+    busy = sorted(range(inp.budget.num_layers), key=lambda i: -inp.measured.energy[i])[:inp.options.spare]
+    lim = {"attn": [0] * inp.budget.num_layers,
+           "mlp": [0 if i in busy else n for i, n in enumerate(inp.budget.limits("mlp"))]}
+    removed = global_width(inp.scores, inp.budget, lim=lim)
+    return Removal(removed, extra={"spared": sorted(busy)}, exact=True)
+
+
+SPARE = Allocation("spare_busiest", {Shape.FREE: allocate_spare_busiest}, measure=measure_busy, record_as="busy",
+                   options=SpareOptions)
+
+
+@pytest.fixture
+def spare(monkeypatch):
+    monkeypatch.setitem(registry.ALLOCATIONS, SPARE.name, SPARE)
+    MEASURED.clear()
+    return SPARE
 
 
 def _calibration() -> torch.Tensor:
@@ -78,3 +156,58 @@ def test_unregistered_allocation_is_refused_in_one_line():
     with pytest.raises(SettingsError, match=r"^prune.allocation='mlp_only' is not allowed: use one of global, "
                                             r"uniform, layerwise, blockwise, depth, calibrated$"):
         PruneSettings(allocation="mlp_only")
+
+
+def _layer_widths(model) -> list[int]:
+    return [layer.mlp.down_proj.in_features for layer in model.model.layers]
+
+
+def test_an_allocation_with_its_own_measurement_and_option_runs_through_prune(spare):
+    model = tiny_model(num_hidden_layers=4)
+    widths = _layer_widths(model)
+    settings = {"ratio": 0.1, "criterion": "magnitude", "allocation": "spare_busiest", "reconstruct": "none",
+                "allocation_args": {"spare": 2}}
+    model, plan = prunelight.prune(model, settings, _calibration())
+    assert len(MEASURED) == 1, "the row's measurement runs once per cut"
+    got = MEASURED[0]
+    assert got.options == SpareOptions(spare=2) and got.batches and got.budget.target > 0
+    assert set(got.scores) == {"attn", "mlp"} and got.state_dir is None  # the notebook API keeps no state
+    energy = plan.meta["busy"]["energy"]
+    busiest = sorted(range(4), key=lambda i: -energy[i])[:2]
+    assert plan.meta["allocation"] == "spare_busiest" and plan.meta["spared"] == sorted(busiest)
+    after = _layer_widths(model)
+    assert [after[i] for i in busiest] == [widths[i] for i in busiest], "the spared layers keep every channel"
+    assert sum(after) < sum(widths) and plan.meta["groups_removed"] == 0
+
+
+def test_the_rows_option_is_checked_once_when_the_settings_are_made(spare):
+    from prunelight.settings import PruneSettings
+
+    with pytest.raises(SettingsError, match=r"^prune.allocation_args.spar=1 is not allowed: allocation "
+                                            r"'spare_busiest' takes spare$"):
+        PruneSettings(allocation="spare_busiest", allocation_args={"spar": 1})
+    with pytest.raises(SettingsError, match=r"^prune.allocation_args.spare=-1 is not allowed: must be an integer"):
+        PruneSettings(allocation="spare_busiest", allocation_args={"spare": -1})
+    with pytest.raises(SettingsError, match=r"^prune.allocation_args=\{'spare': 1\} is not allowed: allocation "
+                                            r"'global' takes no options"):
+        PruneSettings(allocation="global", allocation_args={"spare": 1})
+    assert PruneSettings(allocation="spare_busiest").allocation_options == SpareOptions()
+
+
+def test_an_allocation_with_its_own_measurement_runs_in_a_cli_fit(spare, tmp_path, monkeypatch):
+    from prunelight.cli import cli_main
+    from prunelight.testing import make_tiny_checkpoint, tiny_fit_args, write_tiny_corpus
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", num_hidden_layers=4)
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main(tiny_fit_args(ckpt, files, "--prune.allocation=spare_busiest", "--prune.ratio=0.1",
+                                 "--prune.criterion=magnitude", "--prune.reconstruct=none",
+                                 '--prune.allocation_args={"spare": 3}', "--trainer.fast_dev_run=true",
+                                 "--trainer.enable_progress_bar=false", "--export.out_dir=runs/toy"))
+    assert len(MEASURED) == 1 and MEASURED[0].options == SpareOptions(spare=3)
+    assert MEASURED[0].state_dir is not None  # a run offers its output folder for resumable state
+    plan = json.loads((tmp_path / "runs" / "toy" / "fast_dev_run" / "plan.json").read_text())
+    meta = plan["meta"] if "meta" in plan else plan["plan"]["meta"]
+    assert meta["allocation"] == "spare_busiest" and len(meta["spared"]) == 3
+    assert cli.model.plan is not None and sum(_layer_widths(cli.model.base_model)) < 4 * 96

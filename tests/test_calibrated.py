@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from prunelight.allocation import count_params
+from prunelight.allocation import Shape, count_params
 from prunelight.allocation.budget import build_plan, empty_removed, make_budget
 from prunelight.allocation.calibrated import (
     Probes,
@@ -145,8 +145,12 @@ def test_a_probe_that_lowers_the_loss_does_not_erase_the_order():
 
 
 def test_bad_calibrated_settings_fail_when_constructed():
-    with pytest.raises(SettingsError, match="calibrated_reach"):
-        PruneSettings(allocation="calibrated", calibrated_reach=0.5)
+    with pytest.raises(SettingsError, match=r"^prune.allocation_args.reach=0.5 is not allowed: must be a number"):
+        PruneSettings(allocation="calibrated", allocation_args={"reach": 0.5})
+    with pytest.raises(SettingsError, match=r"^prune.allocation_args.reech=2 is not allowed: allocation 'calibrated' "
+                                            r"takes reach$"):
+        PruneSettings(allocation="calibrated", allocation_args={"reech": 2})
+    assert PruneSettings(allocation="calibrated", allocation_args={"reach": 2}).allocation_options.reach == 2.0
 
 
 def test_calibrated_is_the_default_allocation():
@@ -176,7 +180,8 @@ def test_the_registry_row_states_what_calibrated_needs_and_honours():
     from prunelight.allocation import Shape, allocation_of, check_shape
 
     row = allocation_of("calibrated")
-    assert row.probes and row.rescale is not None and not row.layer_importance and row.splits and row.kv_target
+    assert row.measure is not None and row.rescale is not None and not row.zero3 and row.record_as == "probes"
+    assert not row.layer_importance and row.splits and row.kv_target
     assert set(row.by_shape) == {Shape.FREE, Shape.UNIFORM, Shape.SERVED}
     for shape in Shape:
         check_shape(PruneSettings(allocation="calibrated"), shape)  # no refusal
@@ -206,7 +211,7 @@ def test_a_fixed_split_gives_each_kind_its_share_on_the_loss_scale():
     settings = PruneSettings(ratio=0.3, allocation="calibrated", attn_mlp_split="1:3")
     budget = make_budget(model, settings)
     scores = _flat_scores(budget)
-    plan = allocate(budget, scores, settings, probes=_probes_favouring(budget, scores, costly_attn_layer=1))
+    plan = allocate(budget, scores, settings, measured=_probes_favouring(budget, scores, costly_attn_layer=1))
     removed = plan.meta["params_removed"]
     assert budget.target <= removed < budget.target + budget.c_cost
     attn = sum(budget.n_groups[i] - len(lp.keep_groups) for i, lp in enumerate(plan.layers)) * budget.g_cost
@@ -224,9 +229,9 @@ def test_under_a_stock_layout_the_uniform_shape_of_least_predicted_loss_is_chose
     budget = make_budget(model, settings)
     scores = _flat_scores(budget)
     costly = allocate(budget, scores, settings, shape=Shape.UNIFORM,
-                      probes=_probes_favouring(budget, scores, attn=5.0, mlp=0.01))
+                      measured=_probes_favouring(budget, scores, attn=5.0, mlp=0.01))
     cheap = allocate(budget, scores, settings, shape=Shape.UNIFORM,
-                     probes=_probes_favouring(budget, scores, attn=1e-4, mlp=5.0))
+                     measured=_probes_favouring(budget, scores, attn=1e-4, mlp=5.0))
     for plan in (costly, cheap):
         assert len({len(lp.keep_groups) for lp in plan.layers}) == 1
         assert len({len(lp.keep_channels) for lp in plan.layers}) == 1
@@ -245,7 +250,7 @@ def test_a_kv_cache_target_takes_the_groups_of_lowest_calibrated_cost():
     scores = _flat_scores(budget)
     # raw scores favour layer 0's groups (scaled down 100x); its probe says they are the costliest
     scores["attn"][0] = scores["attn"][0] / 100
-    plan = allocate(budget, scores, settings, probes=_probes_favouring(budget, scores, costly_attn_layer=0))
+    plan = allocate(budget, scores, settings, measured=_probes_favouring(budget, scores, costly_attn_layer=0))
     gone = [budget.n_groups[i] - len(lp.keep_groups) for i, lp in enumerate(plan.layers)]
     assert sum(gone) == budget.kv_groups and gone[0] == 0
     glob = allocate(budget, scores, PruneSettings(allocation="global", target_kv_cache="640B@fp32"))
@@ -273,14 +278,21 @@ def test_the_split_search_and_saved_scores_work_with_calibrated(setup, tmp_path)
 
 def test_probe_errors_are_pooled_over_ranks():
     """Under DDP every rank must shrink the same numbers: the standard errors are pooled, not left per rank."""
-    from prunelight.pipeline import _probes
+    from prunelight.allocation import MeasureInputs
+    from prunelight.allocation.calibrated import measure_calibrated
 
     model = tiny_model("llama", num_hidden_layers=2).eval()
     batches = [torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))]
     scores = run_calibration(model, batches, build_criterion("flap"))
     budget = make_budget(model, PruneSettings(ratio=0.3))
-    one = _probes(model, budget, scores, batches, None)
-    two = _probes(model, budget, scores, batches, lambda t: 2 * t)  # two ranks that measured the same
+    settings = PruneSettings(ratio=0.3)
+
+    def measure(reduce_sum):
+        return measure_calibrated(MeasureInputs(model, batches, budget, scores, settings, Shape.FREE,
+                                                settings.allocation_options, reduce_sum))
+
+    one = measure(None)
+    two = measure(lambda t: 2 * t)  # two ranks that measured the same
     for kind in ("attn", "mlp"):
         assert two.loss[kind] == pytest.approx(one.loss[kind])
         assert two.stderr[kind] == pytest.approx([v / 2 ** 0.5 for v in one.stderr[kind]])
@@ -289,7 +301,7 @@ def test_probe_errors_are_pooled_over_ranks():
 def test_calibrated_without_calibration_text_is_refused_before_any_work():
     from prunelight import prune
 
-    with pytest.raises(ValueError, match="measures probe removals on calibration text"):
+    with pytest.raises(ValueError, match="measures on calibration text"):
         prune(tiny_model("llama"), PruneSettings(allocation="calibrated", criterion="magnitude", reconstruct="none"))
 
 

@@ -120,12 +120,20 @@ def test_plan_under_sharding_equals_plain_plan(criterion):
     assert sharded.meta["params_removed"] == plain.meta["params_removed"]
 
 
-def test_sharded_plan_refuses_options_that_write_weights():
-    model = tiny_model("llama")
+def test_the_run_plan_refuses_options_that_write_partitioned_weights():
+    """ZeRO-3: masked forwards (the default's probes, the split search) are refused from the config alone."""
+    from prunelight.run_plan import RunFacts, prepare_run
+
+    config = tiny_model("llama").config
+    zero3_run = RunFacts(deepspeed=True, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3.*attn_mlp_split=auto"):
-        make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="auto"), sharded=True)
+        prepare_run(settings_of(0.3, criterion="magnitude", attn_mlp_split="auto", reconstruct="none"),
+                    config=config, run=zero3_run)
     with pytest.raises(ValueError, match="ZeRO-3.*allocation=calibrated.*prune.allocation: global needs no masked"):
-        make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude"), sharded=True)  # the default
+        prepare_run(PruneSettings(ratio=0.3, criterion="magnitude", reconstruct="none"), run=zero3_run)  # default
+    prepare_run(settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3", reconstruct="none"), config=config,
+                run=zero3_run)
+    model = tiny_model("llama")
     plain, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"))
     fixed, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"), sharded=True)
     assert fixed.to_dict()["layers"] == plain.to_dict()["layers"]

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from prunelight.allocation import Shape, allocate, precheck
 from prunelight.allocation.served import candidates
-from prunelight.checks import check_run
+from prunelight.run_plan import prepare_run
 from prunelight.export import NasExportError, export_config, export_pretrained, format_of
 from prunelight.plan import LayerPlan, PrunePlan
 from prunelight.settings import ExportSettings, SettingsError
@@ -146,11 +146,11 @@ def test_refusals_are_one_line_and_early():
     with pytest.raises(ValueError, match="export.format=nemotron_nas is not allowed for model_type 'qwen2'"):
         precheck(qwen, settings_of(0.2), shape=Shape.SERVED)
     with pytest.raises(ValueError, match="export.format=nemotron_nas is not allowed for model_type 'qwen2'"):
-        check_run(settings_of(0.2), Shape.SERVED, qwen.config)  # before any weights load, saved plan or not
+        prepare_run(settings_of(0.2), Shape.SERVED, qwen.config)  # before any weights load, saved plan or not
     sliding = tiny_model("mistral").config
     sliding.sliding_window = 4
     with pytest.raises(ValueError, match="not allowed with sliding_window=4"):
-        check_run(settings_of(0.2), Shape.SERVED, sliding)
+        prepare_run(settings_of(0.2), Shape.SERVED, sliding)
     # The rows and the shape rule refuse before any work, one line each.
     for bad, match in (
         (dict(allocation="layerwise"), r"prune.allocation='layerwise' is not allowed with export.format=nemotron_nas "
@@ -161,7 +161,7 @@ def test_refusals_are_one_line_and_early():
          "prune.target_kv_cache='64KiB@bf16' is not allowed with export.format=nemotron_nas"),
     ):
         with pytest.raises(ValueError, match=match) as err:
-            check_run(settings_of(0.2, **bad), Shape.SERVED)
+            prepare_run(settings_of(0.2, **bad), Shape.SERVED)
         assert "\n" not in str(err.value)
     first = tiny_model("llama", num_hidden_layers=2)
     apply_plan(first, PrunePlan(layers=[LayerPlan([], list(range(96))), LayerPlan([0], list(range(96)))],

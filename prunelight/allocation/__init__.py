@@ -7,8 +7,8 @@
 - `blockwise`: whole attention / MLP sub-blocks by importance per parameter, width pruning for the rest.
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
 - `calibrated` (the default): the global knapsack on scores rescaled per sub-block by the measured
-  calibration-loss increase of a probe removal (calibrated.py), each sub-block capped at `calibrated_reach` x its
-  probe; under a stock or served layout, global's shape search on the rescaled scores.
+  calibration-loss increase of a probe removal (calibrated.py: the row's own measurement), each sub-block capped
+  at `prune.allocation_args.reach` x its probe; under a stock or served layout, global's shape search on the rescaled scores.
 Any of them can split the budget x:y between attention and MLP (global, layerwise, calibrated) and round kept
 MLP channels to a hardware-friendly multiple.
 
@@ -26,11 +26,11 @@ whole structures only (within one structure).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from prunelight.allocation.base import Allocation, AllocationInputs, Removal, Shape
+from prunelight.allocation.base import Allocation, AllocationInputs, MeasureInputs, Removal, Shape
 from prunelight.allocation.budget import (
     Budget,
     build_plan,
@@ -49,10 +49,9 @@ from prunelight.importance.base import UnitScores
 from prunelight.plan import PrunePlan
 
 if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
-    from prunelight.allocation.calibrated import Probes
     from prunelight.settings import PruneSettings
 
-__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "Removal", "Shape", "allocate", "allocation_of",
+__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "MeasureInputs", "Removal", "Shape", "allocate", "allocation_of",
            "check_shape", "count_params", "decoder_params", "make_budget", "precheck", "register", "shape_of_format"]
 
 
@@ -68,9 +67,9 @@ def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
 def precheck(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE) -> Budget:
     """Measure the model once and refuse settings its sizes cannot meet (model sizes only: before any data).
 
-    Runs the shape constraint's settings and config checks, the allocation's pre-check and the shape's size check.
+    Runs the shape constraint's config check, the allocation's pre-check and the shape's size check; the settings
+    against the shape (`check_shape`) are the run plan's (`run_plan.prepare_run`), checked once before this.
     """
-    check_shape(settings, shape)
     rule = SHAPES[shape]
     if rule.check_config is not None:
         rule.check_config(model.config)
@@ -93,7 +92,7 @@ def allocate(
     shape: Shape = Shape.FREE,
     groups_removed: int | None = None,
     groups_kept: int | None = None,
-    probes: Probes | None = None,
+    measured: Any = None,
 ) -> PrunePlan:
     """Choose the units (and sub-blocks / layers) to remove so that the budget's target is met.
 
@@ -102,38 +101,40 @@ def allocate(
     `shape` is the layer-shape constraint (`Shape.UNIFORM` for export.format: stock); `groups_removed` then
     fixes the groups removed per layer (the calibration search tries each); under `Shape.SERVED`
     (export.format: nemotron_nas) `groups_kept` fixes the groups kept in every layer keeping attention.
-    Allocations with `probes` (calibrated) take the probe removals `calibrated.measure_probes` measured.
+    A row with a `measure` takes what it measured as `measured` (`pipeline.make_plan` runs it); the row's options
+    come from the settings (`prune.allocation_args`).
     """
     row = allocation_of(settings.allocation)
     rule = SHAPES[shape]
-    check_shape(settings, shape)
+    if shape not in row.by_shape:  # the run plan refused it before any work; a direct caller hears the same
+        check_shape(settings, shape)
     share = settings.attn_share if attn_share is None else attn_share
     check_scores(scores, budget)
-    if row.probes and probes is None:
-        raise ValueError(f"allocation {row.name!r} needs its probe removals measured (probes); make_plan measures them")
+    if row.measure is not None and measured is None:
+        raise ValueError(f"allocation {row.name!r} needs its measurement (measured); make_plan runs the row's measure")
     if row.rescale is not None:  # one scale for every shape's function and the KV-cache target (calibrated)
-        scores = row.rescale(scores, probes)
-    measured = {"probes": probes.as_dict()} if probes is not None else {}
+        scores = row.rescale(scores, measured)
+    recorded = {row.record_as: measured.as_dict()} if row.record_as and measured is not None else {}
     if budget.kv_groups and rule.kv_target:
-        return _kv_plan(budget, scores, row, measured)
+        return _kv_plan(budget, scores, row, recorded)
     if share is not None and not row.splits:
         raise ValueError(f"an attention:MLP split applies to {', '.join(names_with('splits'))}, not {row.name!r}")
     if row.layer_importance and layer_scores is None:
         raise ValueError(f"allocation {row.name!r} needs layer importance (layer_scores); make_plan measures it")
     inp = AllocationInputs(budget, scores, settings, layer_scores, block_scores, share, groups_removed, groups_kept,
-                           probes)
+                           measured, settings.allocation_options)
     removal = rule.finish(inp, row.by_shape[shape](inp))
     plan = build_plan(budget, removal.removed, removal.drop)
-    plan.meta = {"allocation": row.name, **removal.extra, **measured, **plan_meta(budget, plan)}
+    plan.meta = {"allocation": row.name, **removal.extra, **recorded, **plan_meta(budget, plan)}
     return plan
 
 
 def _kv_plan(budget: Budget, scores: UnitScores, row: Allocation, extra: dict | None = None) -> PrunePlan:
-    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; uniform: as many per layer).
+    """A KV-cache target: exactly `budget.kv_groups` GQA groups go (lowest scores; `kv_per_layer`: as many per layer).
 
     `allocate` has checked the scores (before rescaling them)."""
     removed = empty_removed(budget)
-    if row.name == "uniform":
+    if row.kv_per_layer:
         k = budget.kv_groups // budget.num_layers
         for i, t in enumerate(scores["attn"]):
             removed["attn"][i] = lowest(t, k)

@@ -1,8 +1,10 @@
 """The types every allocation shares: the shape constraint, what an allocation is given, what it returns, its row.
 
 An allocation is one function per shape constraint it honours, `(AllocationInputs) -> Removal`, and one
-`Allocation` row in `allocation.registry` that states what it needs and checks. `allocation.allocate`
-does the rest (score checks, the shape's finishing step, the plan and its figures).
+`Allocation` row in `allocation.registry` that states what it needs and checks; a row may own a measurement
+(`measure`: run once on the calibration batches after scoring, its answer reaching the functions as
+`AllocationInputs.measured`) and its own options (`options`: a dataclass read from `prune.allocation_args`).
+`allocation.allocate` does the rest (score checks, the shape's finishing step, the plan and its figures).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from prunelight.allocation.budget import Budget, Removed
 from prunelight.importance.base import UnitScores
@@ -41,7 +45,23 @@ class AllocationInputs:
     attn_share: float | None = None  # the attention share of the budget (fixed split, or the split search's try)
     groups_removed: int | None = None  # Shape.UNIFORM: the groups removed per layer, when the search fixes it
     groups_kept: int | None = None  # Shape.SERVED: the groups kept in every layer keeping attention, when fixed
-    probes: Any = None  # measured probe removals (rows with probes=True: calibrated.Probes)
+    measured: Any = None  # what the row's `measure` returned (None for a row without one)
+    options: Any = None  # the row's options instance (`prune.allocation_args`), or None for a row without options
+
+
+@dataclass(frozen=True)
+class MeasureInputs:
+    """What a row's `measure` is given: the dense model, the calibration batches and what scoring produced."""
+
+    model: nn.Module  # the dense model, unwrapped (a peft wrapper's base model)
+    batches: list[torch.Tensor]  # token ids [batch, seq_len]: the calibration batches measures run on
+    budget: Budget
+    scores: UnitScores  # the criterion's scores
+    settings: PruneSettings
+    shape: Shape
+    options: Any = None  # the row's options instance, or None
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # cross-rank sum (DDP), or None
+    state_dir: Path | None = None  # a folder for resumable state (the run's output folder; None in the notebook API)
 
 
 @dataclass
@@ -77,11 +97,21 @@ class Allocation:
     """Honours an attention:MLP split (`prune.attn_mlp_split`)."""
     kv_target: bool = False
     """Can meet a KV-cache target (`prune.target_kv_cache`: GQA groups only)."""
-    probes: bool = False
-    """Needs probe removals measured on calibration text before the cut (one masked slice per sub-block; with
-    saved `prune.scores` they run on the calibration batches the run still reads; ZeRO-3 partitions are refused)."""
+    kv_per_layer: bool = False
+    """A KV-cache target removes the same number of GQA groups from every layer (else the lowest-scored anywhere)."""
+    measure: Callable[[MeasureInputs], Any] | None = None
+    """Run once after scoring, on the calibration batches, before allocating (also when the unit scores come from
+    a saved `prune.scores`); its answer reaches the functions as `AllocationInputs.measured`."""
+    record_as: str | None = None
+    """The `plan.meta` key the measurement's `as_dict()` is recorded under (None: not recorded)."""
+    options: type | None = None
+    """A dataclass of the row's own options (docstrings on fields, checks in `__post_init__`), made once from
+    `prune.allocation_args` by the settings; it reaches the functions as `AllocationInputs.options`."""
+    zero3: bool = True
+    """Runs on ZeRO-3 partitioned weights; False for a row whose measurement runs masked forwards (refused by the
+    run plan before the weights load)."""
     rescale: Callable[[UnitScores, Any], UnitScores] | None = None
-    """(scores, probes) -> scores on a common scale, applied before any shape's function and a KV-cache target's
+    """(scores, measured) -> scores on a common scale, applied before any shape's function and a KV-cache target's
     choice (calibrated: the calibration loss); None: the criterion's scores as they are."""
     drops_layers: bool = False
     """May drop whole layers, so which layers stay is known only after scoring."""
@@ -90,7 +120,7 @@ class Allocation:
 
     def needs_data(self, settings: PruneSettings) -> bool:
         """Whether it reads calibration text beyond the criterion's scores (layer or sub-block measures)."""
-        return self.layer_importance or self.probes or self.block_removal(settings)
+        return self.layer_importance or self.measure is not None or self.block_removal(settings)
 
 
 def zero_scores(budget: Budget) -> UnitScores:

@@ -108,7 +108,10 @@ def make_budget(model: nn.Module, settings: PruneSettings) -> Budget:
     if goal is None:
         target = int(round(ratio * total))
     elif goal.kind == "kv_cache":
-        kv_groups = kv_groups_to_remove(goal, n_groups, hd, min_groups, settings.allocation)
+        from prunelight.allocation.registry import allocation_of  # the registry's rows import this module
+
+        per_layer = allocation_of(settings.allocation).kv_per_layer
+        kv_groups = kv_groups_to_remove(goal, n_groups, hd, min_groups, per_layer)
         target = kv_groups * g_cost
     else:
         target = params_to_remove(goal, total)
@@ -129,8 +132,9 @@ def params_to_remove(goal: Target, total: int) -> int:
     return total - keep
 
 
-def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_groups: int, allocation: str) -> int:
-    """GQA groups to remove so the KV cache per token is at or below `goal` (whole groups: at or below, not equal)."""
+def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_groups: int, per_layer: bool) -> int:
+    """GQA groups to remove so the KV cache per token is at or below `goal` (whole groups: at or below, not equal);
+    `per_layer`: the same number from every layer (the row's `kv_per_layer`)."""
     per_group = 2 * head_dim * goal.bytes_per_param  # one K and one V vector per token
     now = kv_bytes_per_token(n_groups, head_dim, goal.bytes_per_param)
     if goal.value >= now:
@@ -139,7 +143,7 @@ def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_gr
                          f"token at {goal.dtype} already (2 x {sum(n_groups)} KV heads x head_dim {head_dim} x "
                          f"{goal.bytes_per_param:g} bytes); use a target below that")
     need = math.ceil((now - goal.value) / per_group - 1e-9)
-    if allocation == "uniform":  # the same number from every layer
+    if per_layer:
         need = math.ceil(need / len(n_groups)) * len(n_groups)
         most = min(max(n - min_groups, 0) for n in n_groups) * len(n_groups)
     else:
@@ -148,7 +152,7 @@ def kv_groups_to_remove(goal: Target, n_groups: list[int], head_dim: int, min_gr
         floor = now - most * per_group
         raise ValueError(f"{goal.option}={goal.text!r} is not allowed: keeping "
                          f"prune.min_groups={min_groups} KV group(s) "
-                         f"per layer{' (the same in every layer)' if allocation == 'uniform' else ''} leaves at least "
+                         f"per layer{' (the same in every layer)' if per_layer else ''} leaves at least "
                          f"{human_bytes(floor)} per token at {goal.dtype}; use a target at or above that")
     return need
 

@@ -24,10 +24,10 @@ The calibrated allocation keeps the criterion's scores as they are and only resc
    probe: at most reach x the units the probe removed and at least 1/reach of those it kept (the linear scale a
    probe gives is not trusted far beyond the size it was measured at, on either side).
 
-Its registry row (`allocation/registry.py`) has `probes=True` and `rescale=calibrated_scores`: the cut's scoring
-pass (`pipeline.make_plan`) measures the probes with `measure_probes` (on the calibration batches, also when the
-unit scores come from a saved `prune.scores`) and `allocation.allocate` rescales the scores once, before any
-shape's function. So every option global takes works on the loss scale: a fixed attention:MLP split (each kind
+Its registry row (`allocation/registry.py`) owns its measurement and options: `measure=measure_calibrated`
+(the probes, on the calibration batches after scoring, also when the unit scores come from a saved
+`prune.scores`; averaged over ranks), `options=CalibratedOptions` (`prune.allocation_args: {reach: 1.5}`) and
+`rescale=calibrated_scores`, which `allocation.allocate` applies once, before any shape's function. So every option global takes works on the loss scale: a fixed attention:MLP split (each kind
 its share, capped), `auto` (the split search tries shares of this allocation), a KV-cache target (the groups of
 lowest calibrated cost), and the stock (UNIFORM) and served (SERVED) layouts, whose functions are global's own
 run on calibrated costs (the uniform shape removing the least predicted loss). Under ZeRO-3 (masked forwards on
@@ -45,15 +45,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunelight.allocation.base import AllocationInputs, Removal
+from prunelight.allocation.base import AllocationInputs, MeasureInputs, Removal
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest
 from prunelight.allocation.split_search import masked
 from prunelight.allocation.width import global_width, kind_targets
 from prunelight.console import progress
+from prunelight.distributed import mean_over_ranks
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 
 KINDS = ("attn", "mlp")
+
+
+@dataclass
+class CalibratedOptions:
+    """The calibrated allocation's own options (`prune.allocation_args`)."""
+
+    reach: float = 1.5
+    """A sub-block loses at most floor(reach x its probe slice) units and keeps at least 1/reach of what its probe
+    kept (the linear loss scale a probe gives is trusted that far; 1.5 lets a one-group probe never vouch for a
+    second group); raised by whole steps when the caps cannot meet the budget."""
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.reach, (int, float)) and not isinstance(self.reach, bool) and math.isfinite(self.reach)
+        if not ok or self.reach < 1.0:
+            raise ValueError(f"prune.allocation_args.reach={self.reach!r} is not allowed: must be a number in "
+                             "[1.0, inf)")
+        self.reach = float(self.reach)
 
 
 @dataclass
@@ -307,8 +325,29 @@ def calibrated_width(scores: UnitScores, budget: Budget, probes: Probes, reach: 
     return capped_width(calibrated_scores(scores, probes), budget, probes, reach, attn_share)[0]
 
 
+def measure_calibrated(inp: MeasureInputs) -> Probes:
+    """The row's measurement: the probe removals, averaged over ranks so every rank builds the same plan."""
+    if not inp.batches:
+        raise ValueError("allocation 'calibrated' needs calibration batches to measure its probe removals")
+    probes = measure_probes(inp.model, inp.batches, inp.scores, inp.budget)
+    reduce_sum = inp.reduce_sum
+    if reduce_sum is not None:
+        # Every rank must shrink and rescale the same numbers: losses are averaged, and so are the squared standard
+        # errors, divided by the number of ranks (the mean over W equal shards has 1/W of one shard's variance).
+        world = float(reduce_sum(torch.ones(1, dtype=torch.float64))[0])
+        probes.base_nll = mean_over_ranks([probes.base_nll], reduce_sum)[0]
+        for kind, values in probes.loss.items():
+            mean = mean_over_ranks([0.0 if v is None else v for v in values], reduce_sum)
+            probes.loss[kind] = [None if v is None else m for v, m in zip(values, mean)]
+            if probes.stderr is not None:
+                se = probes.stderr[kind]
+                var = mean_over_ranks([0.0 if v is None else v * v for v in se], reduce_sum)
+                probes.stderr[kind] = [None if v is None else (w / world) ** 0.5 for v, w in zip(se, var)]
+    return probes
+
+
 def allocate_calibrated(inp: AllocationInputs) -> Removal:
     """Shape.FREE: the capped global knapsack on calibrated costs (`allocate` rescaled `inp.scores` with the row's
     `rescale`); the true-up moves units on the same scale."""
-    removed, reach = capped_width(inp.scores, inp.budget, inp.probes, inp.settings.calibrated_reach, inp.attn_share)
+    removed, reach = capped_width(inp.scores, inp.budget, inp.measured, inp.options.reach, inp.attn_share)
     return Removal(removed, extra={"calibrated_reach": reach})

@@ -2,9 +2,10 @@
 
 A row names the allocation function per shape constraint it honours (`Shape.FREE`: per-layer widths,
 `Shape.UNIFORM`: one shape for a stock config, `Shape.SERVED`: the Nemotron-NAS layout vLLM serves) and
-states what the allocation needs (layer importance, sub-block removal measures, probe removals), which options
-it honours (split, KV-cache target) and its cheap pre-check (model sizes only). Everything else reads these facts: the
-settings' choices and checks, `check_run`, the scoring pass, saved-scores checks, the benchmarks. To add an
+states what the allocation needs (layer importance, sub-block removal measures, its own measurement), which
+options it honours (split, KV-cache target, its own `prune.allocation_args`) and its cheap pre-check (model sizes
+only). Everything else reads these facts: the
+settings' choices and checks, the run plan (`prepare_run`), the scoring pass, saved-scores checks, the benchmarks. To add an
 allocation, write its function in a module of this package and add its row to `ROWS` (or call `register`
 from elsewhere, as tests do).
 """
@@ -12,7 +13,12 @@ from elsewhere, as tests do).
 from __future__ import annotations
 
 from prunelight.allocation.base import Allocation, Shape
-from prunelight.allocation.calibrated import allocate_calibrated, calibrated_scores
+from prunelight.allocation.calibrated import (
+    CalibratedOptions,
+    allocate_calibrated,
+    calibrated_scores,
+    measure_calibrated,
+)
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
@@ -23,7 +29,7 @@ ROWS = (
     Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: allocate_uniform_shape,
                           Shape.SERVED: allocate_served}, splits=True, kv_target=True, precheck=check_removable),
     Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: allocate_uniform_shape,
-                           Shape.SERVED: allocate_served}, kv_target=True, precheck=check_uniform),
+                           Shape.SERVED: allocate_served}, kv_target=True, kv_per_layer=True, precheck=check_uniform),
     Allocation("layerwise", {Shape.FREE: allocate_layerwise}, layer_importance=True, splits=True,
                precheck=check_layerwise),
     Allocation("blockwise", {Shape.FREE: allocate_blockwise},
@@ -33,7 +39,8 @@ ROWS = (
     # Global on the loss scale: the scores are rescaled by measured probes once (`rescale`), so a stock or served
     # layout, a split and a KV-cache target run global's own functions on calibrated costs; FREE adds the caps.
     Allocation("calibrated", {Shape.FREE: allocate_calibrated, Shape.UNIFORM: allocate_uniform_shape,
-                              Shape.SERVED: allocate_served}, splits=True, kv_target=True, probes=True,
+                              Shape.SERVED: allocate_served}, splits=True, kv_target=True,
+               measure=measure_calibrated, record_as="probes", options=CalibratedOptions, zero3=False,
                rescale=calibrated_scores, precheck=check_removable),
 )
 

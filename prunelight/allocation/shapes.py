@@ -61,7 +61,7 @@ class ShapeRule:
     check_settings: Callable[[PruneSettings], None] = _no_settings_check
     """Settings-only refusals (before any weights load)."""
     check_config: Callable[[Any], None] | None = None
-    """Model-config refusals (family, attention kind: before any weights load); `check_run` and `precheck` run it."""
+    """Model-config refusals (family, attention kind: before any weights load); the run plan runs it (`prepare_run`, `precheck`)."""
     check_sizes: Callable[[Budget, PruneSettings, Shape], None] | None = None
     """Model-size refusals (before data is read); skipped for allocations that drop layers (known after scoring)."""
     finish: Callable[[AllocationInputs, Removal], Removal] = _finish_as_is

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -11,7 +10,6 @@ import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 
 from prunelight.allocation import Shape
-from prunelight.checks import RunFacts, check_deepspeed_criterion, check_run
 from prunelight.console import cut_summary, log_metrics, show_progress
 from prunelight.cut import prepare_cut, record_cut, run_cut, write_saved
 from prunelight.distributed import needs_fresh_engine, strategy_sum, zero_stage
@@ -19,6 +17,7 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.paths import FAST_DEV_RUN_DIR
+from prunelight.run_plan import RunFacts, RunPlan, prepare_run
 from prunelight.saved import calibration_identity, scores_key
 from prunelight.settings import PruneSettings
 from prunelight.zero3 import gathered_pruned_copy, shape_twin
@@ -43,16 +42,20 @@ class PruningCallback(L.Callback):
         self.evaluator = evaluator
         self.out_dir = out_dir  # plan.json and scores.pt go here (default: the trainer's default_root_dir)
         self.shape = shape  # the layer-shape constraint of export.format (ExportSettings.shape)
+        # The run plan: the CLI's before_fit hands it over; a Trainer built in Python gets it in `setup`.
+        self.run_plan: RunPlan | None = None
 
     # --- Lightning hooks ------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
+        if self.run_plan is None:  # a Trainer built in Python: the plan from the module's config, still weightless
+            self.run_plan = prepare_run(self.settings, self.shape, pl_module.check_pretrained(),
+                                        run_facts(trainer, pl_module))
         if trainer.fast_dev_run:
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
-            self.settings = dataclasses.replace(self.settings, prune_step=0, max_calibration_batches=1,
-                                                importance_batches=1)
-        check_run(self.settings, self.shape, run=run_facts(trainer, pl_module))
+            self.run_plan = self.run_plan.with_settings(prune_step=0, max_calibration_batches=1, importance_batches=1)
+        self.settings = self.run_plan.settings
         if self.evaluator is not None:
             self.evaluator.setup(trainer, pl_module)
 
@@ -80,10 +83,8 @@ class PruningCallback(L.Callback):
         fresh = needs_fresh_engine(trainer.strategy)
         sharded = zero_stage(trainer.strategy) == 3
         twin = shape_twin(base) if sharded else base
-        if fresh:
-            check_deepspeed_criterion(s, base)
-        # The saved plan or scores, and the model-size checks, before evaluation and calibration.
-        source = prepare_cut(base, s, self.shape, calibration=calibration_identity(dm, s), twin=twin)
+        # The saved plan or scores (their weights fingerprint), before evaluation and calibration.
+        source = prepare_cut(base, self.run_plan, calibration=calibration_identity(dm, s), twin=twin)
         self._measure("dense", trainer, pl_module, folder=pl_module.pretrained if pl_module.model_config is None
                       else None)
         # The scores key of the dense weights, taken on every rank (the weights fingerprint may gather); rank 0 writes.
@@ -92,8 +93,9 @@ class PruningCallback(L.Callback):
             key = source.saved.key if source.saved is not None else scores_key(base, s, calibration_identity(dm, s))
         batches = dm.calibration_batches(trainer.global_rank, trainer.world_size)
         reduce_sum = strategy_sum(trainer, pl_module.device)
-        result = run_cut(base, batches, s, self.shape, source=source, reduce_sum=reduce_sum, sharded=sharded,
-                         twin=twin, surgery=not fresh, before_surgery=pl_module.snapshot_teacher)
+        result = run_cut(base, batches, self.run_plan, source=source, reduce_sum=reduce_sum, sharded=sharded,
+                         twin=twin, surgery=not fresh, before_surgery=pl_module.snapshot_teacher,
+                         state_dir=self._out_dir(trainer))
         record_cut(record, result, s, prune_step=trainer.global_step, seq_len=dm.seq_len,
                    source=dm.calibration.describe(), seed=dm.seed)
         if trainer.is_global_zero:
@@ -177,8 +179,11 @@ def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
 
 
 def run_facts(trainer: L.Trainer, pl_module) -> RunFacts:
-    """What `check_run` needs to know about this trainer, module and data."""
+    """What the run plan needs to know about this trainer, module and data (configs only, no weights)."""
     dm = trainer.datamodule
+    teacher = getattr(pl_module, "teacher_config", None)
     return RunFacts(recovery=getattr(pl_module, "recovery", None), max_steps=trainer.max_steps,
-                    deepspeed=needs_fresh_engine(trainer.strategy), world_size=trainer.world_size,
-                    num_samples=getattr(dm, "num_samples", None))
+                    deepspeed=needs_fresh_engine(trainer.strategy), zero_stage=zero_stage(trainer.strategy),
+                    world_size=trainer.world_size, num_samples=getattr(dm, "num_samples", None),
+                    distillation=getattr(pl_module, "distillation", None),
+                    teacher_config=teacher() if callable(teacher) else None)
