@@ -148,6 +148,23 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     removal = allocate_search(SimpleNamespace(measured=measured))
     total = plan_params_removed(budget, build_plan(budget, removal.removed))
     assert removal.exact and budget.target <= total < budget.target + budget.c_cost
-    assert removal.extra["search"]["trajectory"]
+    assert measured.as_dict()["trajectory"]
     with pytest.raises(ValueError, match="one process"):
         measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: t}))
+
+
+def test_allocation_search_end_to_end_through_prune():
+    """`prune.allocation: search` with its options from `allocation_args`: the plan meets the budget and records the
+    search; an unknown option is refused naming the allowed ones."""
+    import prunelight
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    args = {"generations": 2, "offspring": 3, "stages": [2, 4], "survivors": [3, 1], "mlp_levels": 8}
+    _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
+                                       "allocation_args": args}, _batches())
+    assert plan.meta["allocation"] == "search"
+    assert 0 <= plan.meta["budget_error_params"] < 3 * 64 and "search" in plan.meta  # one MLP channel: 3 x hidden
+    assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(plan.meta["search"]["seeds_kl"].values())
+    with pytest.raises(ValueError, match="generationz"):
+        prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
+                         _batches())

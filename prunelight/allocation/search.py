@@ -395,21 +395,31 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     return finish(space, result.levels, db, settings.align_channels), result, db
 
 
-def measure_search(inp) -> dict[str, Any]:
-    """The row's measurement (`MeasureInputs`): levels database and search on the calibration batches; returns the
-    final removal and the search's summary for `allocate_search`."""
+@dataclass
+class SearchMeasured:
+    """What the row's measurement hands to its allocation: the final removal and the search's summary."""
+
+    removed: Removed
+    result: SearchResult
+
+    def as_dict(self) -> dict[str, Any]:
+        """plan.meta["search"]: KL reached and the seeds', trajectory, phase times, the levels chosen."""
+        return self.result.as_dict()
+
+
+def measure_search(inp) -> SearchMeasured:
+    """The row's measurement (`MeasureInputs`): the levels database and the search on the calibration batches."""
     if inp.reduce_sum is not None:
         raise ValueError("prune.allocation='search' runs on one process (its database and search are not summed "
                          "over ranks yet); use one device, or prune.allocation: calibrated")
     options = inp.options if inp.options is not None else SearchOptions()
     removed, result, _ = run_search(inp.model, inp.batches, inp.budget, inp.scores, inp.settings, options,
                                     inp.state_dir)
-    return {"removed": removed, "search": result.as_dict()}
+    return SearchMeasured(removed, result)
 
 
 def allocate_search(inp) -> Removal:
     """Shape.FREE: the removal the search measured (already within one channel of the target: exact)."""
     if inp.measured is None:
         raise ValueError("allocation 'search' needs its measurement (measure_search) before allocate")
-    return Removal({k: [set(s) for s in v] for k, v in inp.measured["removed"].items()},
-                   extra={"search": {k: v for k, v in inp.measured["search"].items() if k != "levels"}}, exact=True)
+    return Removal({k: [set(s) for s in v] for k, v in inp.measured.removed.items()}, exact=True)
