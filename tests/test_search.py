@@ -168,3 +168,30 @@ def test_allocation_search_end_to_end_through_prune():
     with pytest.raises(ValueError, match="generationz"):
         prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
                          _batches())
+
+
+def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
+    import importlib.util
+    import json
+    import math
+    from pathlib import Path
+
+    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_search.py"
+    spec = importlib.util.spec_from_file_location("benchmark_search", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=3, intermediate_size=64)
+    files = write_tiny_corpus(tmp_path / "data", lines=60)
+    bench.main(["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
+                "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--generations", "2", "--offspring", "2",
+                "--stages", "2", "4", "--survivors", "2", "1", "--mlp-levels", "8", "--rows", "stock,search",
+                "--state-dir", str(tmp_path / "state"), "--out-dir", str(tmp_path), "--name", "s"])
+    data = json.loads((tmp_path / "s.json").read_text())
+    rows = {r["row"]: r for r in data["rows"]}
+    assert set(rows) == {"stock", "search"} and all("error" not in r for r in rows.values())
+    assert math.isfinite(rows["search"]["ppl"]) and {"database", "search", "cut", "eval"} <= set(
+        rows["search"]["times_s"])
+    assert "stock" in rows["search"]["search"]["seeds_kl"]  # the stock plan seeds the search
+    assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
