@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -110,8 +110,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     """The table: ppl and x dense per row and ratio, the phases' wall time, the search's KL against its seeds."""
     dense = meta["dense_ppl"]
     out = [f"# allocation search on {meta['model_name']}", "",
-           f"Dense perplexity {dense:.2f} ({meta['eval_tokens']} tokens: {meta['eval']}); calibration {meta['calibration']}; "
-           f"no recovery; {meta['threads']} thread(s), {meta['machine']}, torch {meta['torch']}.", "",
+           f"Dense perplexity {dense:.2f} ({meta['eval_tokens']} tokens: {meta['eval']}); "
+           f"calibration {meta['calibration']}; no recovery; {meta['threads']} thread(s), {meta['machine']}, "
+           f"torch {meta['torch']}.", "",
            f"Search: {meta['search']}.", "",
            "| row | ratio | removed | ppl | x dense | budget error (params) | wall time (s) | search KL (seeds) |",
            "|---|---:|---:|---:|---:|---:|---|---|"]
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                 "eval_tokens": dense["tokens"],
                 "eval": f"{Path(args.eval).name}, first {args.eval_chars:,} characters, {args.seq_len}-token windows",
                 "calibration": f"{data['calib'].shape[0]} x {args.seq_len} tokens of {Path(args.calibration).name}",
-                "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {torch.get_num_threads()} thread(s)",
+                "threads": torch.get_num_threads(),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs",
                 "torch": torch.__version__}
     meta["search"] = (f"{args.generations} generations x {args.offspring} offspring, stages {args.stages} sequences, "
                       f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
@@ -220,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
                 row = {"row": kind, "ratio": ratio, "error": f"{type(err).__name__}: {err}"}
             rows = [r for r in rows if (r["row"], r["ratio"]) != (kind, ratio)] + [row]
-            print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{(row.get('ppl') or 0) / meta['dense_ppl']:.3f} "
-                  f"times {row.get('times_s')}", flush=True)
+            x = (row.get("ppl") or 0) / meta["dense_ppl"]
+            print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{x:.3f} times {row.get('times_s')}",
+                  flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(json_path, {"meta": meta, "rows": rows})
             atomic_write_text(out_dir / f"{args.name}.md", markdown(meta, rows))

@@ -37,9 +37,10 @@ from torch import nn
 
 from prunelight.allocation.base import Removal
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
+from prunelight.allocation.width import global_width, uniform_counts
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
-from prunelight.levels import LevelsDatabase
+from prunelight.levels import LevelsDatabase, build_database, database_key, load_database
 from prunelight.reconstruct import output_proj
 
 log = logging.getLogger(__name__)
@@ -121,14 +122,14 @@ class LevelSpace:
         return inside and self.budget.target <= c < self.budget.target + self.window
 
     def snap(self, removed_counts: Levels) -> Levels:
-        """An assignment near the given per-sub-block removed counts (MLP rounded to the grid), repaired to the window."""
+        """An assignment near the given removed counts per sub-block (MLP on the grid), repaired to the window."""
         out = {"attn": [min(a, lim) for a, lim in zip(removed_counts["attn"], self.limits["attn"])],
                "mlp": [min(int(round(m / self.step)) * self.step, lim)
                        for m, lim in zip(removed_counts["mlp"], self.limits["mlp"])]}
         return self.repair(out, random.Random(0))
 
     def repair(self, levels: Levels, rng: random.Random) -> Levels | None:
-        """Move MLP levels (random sub-blocks, most-removed last) until the cost is inside the window; None if it cannot."""
+        """Move MLP levels of random sub-blocks until the cost is inside the window; None if it cannot."""
         lv = {k: list(v) for k, v in levels.items()}
         target, window = self.budget.target, self.window
         n = len(lv["mlp"])
@@ -356,8 +357,6 @@ def calibration_rows(batches: Sequence[torch.Tensor], n: int) -> torch.Tensor:
 # --- glue: one measurement, one allocation --------------------------------------------------------------------------
 def seed_levels(space: LevelSpace, scores, plans: dict[str, Removed] | None = None) -> dict[str, Levels]:
     """The first generation: the uniform counts, global's knapsack on the criterion's scores, and `plans`."""
-    from prunelight.allocation.width import global_width, uniform_counts
-
     budget = space.budget
     out: dict[str, Levels] = {}
     g, c = uniform_counts(budget)
@@ -372,8 +371,6 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                options: SearchOptions, state_dir: Path | None = None, plans: dict[str, Removed] | None = None,
                db: LevelsDatabase | None = None) -> tuple[Removed, SearchResult, LevelsDatabase]:
     """Levels database (built or loaded from `state_dir`), the search, and the final removal."""
-    from prunelight.levels import build_database, database_key, load_database
-
     space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels)
     t0 = time.perf_counter()
     if db is None:
