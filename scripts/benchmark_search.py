@@ -58,7 +58,7 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     from prunelight.reconstruct import cut_and_reconstruct
     from prunelight.settings import PruneSettings
 
-    row: dict = {"row": kind, "ratio": ratio}
+    row: dict = {"row": kind, "ratio": ratio, "variant": args.variant}
     t0 = time.perf_counter()
     pruned = copy.deepcopy(model)
     if kind in ("stock", "default"):
@@ -113,19 +113,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
            f"Dense perplexity {dense:.2f} ({meta['eval_tokens']} tokens: {meta['eval']}); "
            f"calibration {meta['calibration']}; no recovery; {meta['threads']} thread(s), {meta['machine']}, "
            f"torch {meta['torch']}.", "",
-           f"Search: {meta['search']}.", "",
+           "Search settings per variant: " + "; ".join(f"{k}: {v}" for k, v in meta.get("searches", {}).items())
+           + ".", "",
            "| row | ratio | removed | ppl | x dense | budget error (params) | wall time (s) | search KL (seeds) |",
            "|---|---:|---:|---:|---:|---:|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["ratio"], ROWS.index(r["row"]))):
+    for r in sorted(rows, key=lambda r: (r["ratio"], ROWS.index(r["row"]), r.get("variant", ""))):
+        name = r["row"] + (f" ({r['variant']})" if r.get("variant") else "")
         if "error" in r:
-            out.append(f"| {r['row']} | {r['ratio']:g} | - | error: {r['error']} | | | | |")
+            out.append(f"| {name} | {r['ratio']:g} | - | error: {r['error']} | | | | |")
             continue
         times = ", ".join(f"{k} {v:.0f}" for k, v in r["times_s"].items())
         kl = ""
         if "search" in r:
             s = r["search"]
             kl = f"{s['kl']:.4f} ({', '.join(f'{k} {v:.4f}' for k, v in s['seeds_kl'].items())})"
-        out.append(f"| {r['row']} | {r['ratio']:g} | {r['removed']:.4f} | {r['ppl']:.2f} | {r['ppl'] / dense:.3f} | "
+        out.append(f"| {name} | {r['ratio']:g} | {r['removed']:.4f} | {r['ppl']:.2f} | {r['ppl'] / dense:.3f} | "
                    f"{r['budget_error_params']} | {times} | {kl} |")
     out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
             "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
     p.add_argument("--name", default="search_smollm2")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the JSON")
+    p.add_argument("--variant", default="", help="a label for these rows (search settings), kept beside other runs'")
     args = p.parse_args(argv)
     rows_asked = [r for r in args.rows.split(",") if r]
     bad = [r for r in rows_asked if r not in ROWS]
@@ -194,23 +197,30 @@ def main(argv: list[str] | None = None) -> None:
                 "threads": torch.get_num_threads(),
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs",
                 "torch": torch.__version__}
-    meta["search"] = (f"{args.generations} generations x {args.offspring} offspring, stages {args.stages} sequences, "
-                      f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
+    if "search" in meta:  # written before variants were labelled
+        meta.setdefault("searches", {})["-"] = meta.pop("search")
+    meta.setdefault("searches", {})[args.variant or "-"] = (
+        f"{args.generations} generations x {args.offspring} offspring, stages {args.stages} sequences, "
+        f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
     meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + " ".join(sys.argv[1:]))
     rows = previous.get("rows", [])
-    done = {(r["row"], r["ratio"]) for r in rows if "error" not in r}
-    rows = [r for r in rows if (r["row"], r["ratio"]) in done]
+    def key(r: dict) -> tuple:
+        return r["row"], r["ratio"], r.get("variant", "")
+
+    done = {key(r) for r in rows if "error" not in r}
+    rows = [r for r in rows if key(r) in done]
     stock_removed: dict = {}
     state_dir = Path(args.state_dir)
     for ratio in ratios:
         for kind in sorted(rows_asked, key=ROWS.index):  # stock first: its plan seeds the search
-            if (kind, ratio) in done and kind != "stock":
-                continue
-            if (kind, ratio) in done:  # the stock plan is needed as a seed: re-derive it cheaply from the row
-                r = next(r for r in rows if (r["row"], r["ratio"]) == (kind, ratio))
+            stock_done = [r for r in rows if r["row"] == "stock" and r["ratio"] == ratio and "error" not in r]
+            if kind == "stock" and stock_done:  # the stock plan (a seed of the search) is read back from its row
+                r = stock_done[0]
                 if "removed_units" in r:
                     stock_removed[ratio] = {k: [set(v) for v in r["removed_units"][k]] for k in ("attn", "mlp")}
                     continue
+            if (kind, ratio, args.variant) in done:
+                continue
             print(f"[search benchmark] {kind} at {ratio:g} ...", flush=True)
             try:
                 row = run_row(kind, model, calib, evals, ratio, args, state_dir, stock_removed)
@@ -220,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 import traceback
 
                 traceback.print_exc()
-                row = {"row": kind, "ratio": ratio, "error": f"{type(err).__name__}: {err}"}
-            rows = [r for r in rows if (r["row"], r["ratio"]) != (kind, ratio)] + [row]
+                row = {"row": kind, "ratio": ratio, "variant": args.variant, "error": f"{type(err).__name__}: {err}"}
+            rows = [r for r in rows if key(r) != (kind, ratio, args.variant)] + [row]
             x = (row.get("ppl") or 0) / meta["dense_ppl"]
             print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{x:.3f} times {row.get('times_s')}",
                   flush=True)
