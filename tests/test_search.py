@@ -98,7 +98,8 @@ def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
     total = plan_params_removed(budget, build_plan(budget, removed))
     assert budget.target <= total < budget.target + budget.c_cost
     assert [t["kl"] for t in res.trajectory] == sorted((t["kl"] for t in res.trajectory), reverse=True)
-    assert (tmp_path / "levels_criterion.pt").is_file() and (tmp_path / "search_state.pt").is_file()
+    assert (tmp_path / "levels_criterion.pt").is_file()
+    assert (tmp_path / f"search_state_criterion_{budget.target}.pt").is_file()
 
 
 def test_search_resumes_from_its_state(tmp_path):

@@ -17,7 +17,7 @@ evaluating a candidate is one masked forward of the model with those weights swa
   on the same sequences. The first generation holds the seeds (uniform, global, and whatever plans the caller adds:
   calibrated, layerwise), so the result is never worse than they are on the last stage's calibration KL.
 - Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
-  written to `state_dir/search_state.pt`, and a run finding it goes on from there.
+  written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
 """
 
 from __future__ import annotations
@@ -386,7 +386,9 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     t_db = time.perf_counter() - t0
     fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]))
     seeds = seed_levels(space, scores, plans)
-    result = evolve(space, fitness, seeds, options, state_dir / "search_state.pt" if state_dir is not None else None)
+    # One state file per order and budget: a state of another search is never resumed from.
+    state = state_dir / f"search_state_{options.order}_{budget.target}.pt" if state_dir is not None else None
+    result = evolve(space, fitness, seeds, options, state)
     result.times_s = {"database": t_db, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
     return finish(space, result.levels, db, settings.align_channels), result, db
