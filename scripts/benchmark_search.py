@@ -87,7 +87,7 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
                                 mlp_levels=args.mlp_levels)
         seeds = {"stock": stock_removed[ratio]} if ratio in stock_removed else {}
         removed, res, _ = run_search(model, calib, budget, scores, settings, options,
-                                     state_dir / f"r{ratio:g}", plans=seeds)
+                                     state_dir, plans=seeds)  # the database serves every ratio
         plan = build_plan(budget, removed)
         plan.meta = {"allocation": "search", "search": res.as_dict(), **plan_meta(budget, plan)}
         tc = time.perf_counter()
