@@ -58,7 +58,7 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     from prunelight.reconstruct import cut_and_reconstruct
     from prunelight.settings import PruneSettings
 
-    row: dict = {"row": kind, "ratio": ratio, "variant": args.variant}
+    row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
     t0 = time.perf_counter()
     pruned = copy.deepcopy(model)
     if kind in ("stock", "default"):
