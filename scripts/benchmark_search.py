@@ -131,7 +131,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                    f"{r['budget_error_params']} | {times} | {kl} |")
     out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
             "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
-            "OBS's order, reconstruct obs; default = flap + calibrated + least_squares.", ""]
+            "OBS's order, reconstruct obs; default = flap + calibrated + least_squares. A database time near 0 s "
+            "is the saved database of an earlier row read back (the database serves every ratio and variant). "
+            "KL figures are on each variant's last-stage sequences, so they compare within a row only.", ""]
     return "\n".join(out)
 
 
