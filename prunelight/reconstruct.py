@@ -10,6 +10,11 @@ down_proj for the MLP) is repaired once some of its input columns are gone:
   the family adds one (`ModelFamily.add_output_biases`) and the config records it (`output_bias: true`).
 - ``least_squares``: the kept columns W_K are refitted by damped least squares, as SlimGPT, ZipLM and
   Olica repair the remaining weights after structured removal.
+- ``obs``: structured OBS (`prunelight.obs`): the plan fixes how many units each sub-block keeps, and which ones is
+  chosen again here, greedily, each step removing the unit whose removal after the optimal update of the remaining
+  columns adds the least output error, from the Gram of all the projection's input columns (damping λ = ridge ·
+  mean(diag G) of the full Gram); the final update is the least-squares refit on the kept columns. The plan's kept
+  lists are rewritten to the units kept, so plan.json states what was cut. Dense inputs only.
 
 One output projection, with kept input columns K, calibration inputs x (see *inputs* below) and targets
 y = W x_dense (the dense projection's output without its own bias), is fitted from token sums only:
@@ -50,10 +55,11 @@ import torch
 from torch import nn
 
 from prunelight.families import LayerShape, ModelFamily, get_family, unwrap
+from prunelight.obs import damping, greedy_removal
 from prunelight.plan import PrunePlan
 from prunelight.surgery import apply_plan, check_plan
 
-RECONSTRUCTIONS = ("none", "bias", "least_squares")
+RECONSTRUCTIONS = ("none", "bias", "least_squares", "obs")
 FIT_INPUT_CHOICES = ("dense", "pruned")
 # Dense inputs gave the lower calibration and held-out NLL on both reference models, at half the passes and
 # a quarter of the stored activations (docs/methods.md, Reconstruction).
@@ -157,9 +163,10 @@ class _Target:
            method: str) -> _Target:
         spec = next(s for s in family.unit_layout(config, shape) if s.kind == kind and s.reads_unit_output)
         proj = output_proj(family, layer, kind)
-        cols = spec.indices(keep).to(proj.weight.device)
+        # OBS chooses the kept units itself: its statistics cover every column.
+        cols = spec.indices(list(range(spec.units)) if method == "obs" else keep).to(proj.weight.device)
         w_k = proj.weight.detach().index_select(1, cols).float()
-        stats = FitStats.empty(len(cols), proj.out_features, proj.weight.device, method == "least_squares")
+        stats = FitStats.empty(len(cols), proj.out_features, proj.weight.device, method != "bias")
         return cls(kind, keep, cols, w_k, stats)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -264,6 +271,7 @@ class _Job:
     method: str
     ridge: float
     reduce_sum: ReduceSum | None
+    plan: PrunePlan | None = None  # rewritten by `obs` to the units it keeps
     figures: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0  # calibration tokens, all ranks
 
@@ -273,18 +281,24 @@ class _Job:
     def cut_and_fit(self, i: int, layer: nn.Module, shape: LayerShape, kind: str, keep: list[int],
                     target: _Target | None) -> None:
         """Cut one sub-block (family surgery), then write the fitted weights or bias into what remains."""
-        self.family.cut_sub_block(layer, self.base.config, shape, kind, keep)
         if target is None:
+            self.family.cut_sub_block(layer, self.base.config, shape, kind, keep)
             return
         stats = target.stats
         stats.reduce(self.reduce_sum)
         if float(stats.n) == 0:
             raise ValueError("reconstruction saw no calibration tokens: the calibration dataset is empty")
         self.tokens = int(stats.n)
+        if self.method == "obs":
+            keep, w_new, before, after = self._obs(i, shape, kind, keep, target)
+        self.family.cut_sub_block(layer, self.base.config, shape, kind, keep)
         proj = output_proj(self.family, layer, kind)
-        before = float(stats.err0)
+        if self.method != "obs":
+            before = float(stats.err0)
         with torch.no_grad():
-            if self.method == "bias":
+            if self.method == "obs":
+                proj.weight.copy_(w_new.to(proj.weight.dtype))
+            elif self.method == "bias":
                 b, after = bias_fit(stats, target.w_k)
                 bias = self.family.output_bias(layer, kind)
                 bias.add_(b.to(bias.dtype))
@@ -298,6 +312,30 @@ class _Job:
                              "rel_err_before": before / yy if yy > 0 else 0.0,
                              "rel_err_after": after / yy if yy > 0 else 0.0})
         target.stats = None  # frees G and C before the next sub-block
+
+    def _obs(self, i: int, shape: LayerShape, kind: str, keep: list[int], target: _Target):
+        """Greedy OBS keeping as many units as the plan: (kept units, their refitted columns, error of the plan's
+        cut alone, error after), and the plan rewritten to the units kept."""
+        spec = next(s for s in self.family.unit_layout(self.base.config, shape)
+                    if s.kind == kind and s.reads_unit_output)
+        gram, w = target.stats.gram, target.w_k  # every column, in unit order (spec.indices of all units)
+        cols = torch.arange(w.shape[1], device=gram.device).view(spec.units, -1)
+        res = greedy_removal(w, gram, cols, spec.units - len(keep), damping(gram, self.ridge))
+        new_keep = sorted(set(range(spec.units)) - set(res.order))
+        kept = set(keep)
+        planned = cols[[u for u in range(spec.units) if u not in kept]].reshape(-1)
+        g, w64 = gram.double(), w.double()
+        before = float((w64[:, planned] @ g[planned][:, planned] * w64[:, planned]).sum())
+        d = res.weight - w64
+        after = max(float((d @ g * d).sum()), 0.0)
+        if self.plan is not None:
+            lp = self.plan.layers[i]
+            if kind == "attn":
+                lp.keep_groups = new_keep
+            else:
+                lp.keep_channels = new_keep
+        w_new = res.weight[:, cols[new_keep].reshape(-1)].float()
+        return new_keep, w_new, before, after
 
 
 def _layer_dense_inputs(job: _Job, i: int, layer: nn.Module, shape: LayerShape, cuts, calls: list[dict],
@@ -350,12 +388,14 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
         raise ValueError(f"unknown reconstruction {method!r}; use one of {', '.join(RECONSTRUCTIONS)}")
     if inputs not in FIT_INPUT_CHOICES:
         raise ValueError(f"unknown fit inputs {inputs!r}; use one of {', '.join(FIT_INPUT_CHOICES)}")
+    if method == "obs" and inputs != "dense":
+        raise ValueError(f"reconstruction 'obs' fits on dense inputs only, not inputs={inputs!r}")
     if method == "none":
         apply_plan(base, plan)
         return {"method": "none", "time_s": time.perf_counter() - t0}
     check_plan(base, plan)  # before any batch runs through the model
     family = get_family(base)
-    job = _Job(base, family, method, settings.reconstruct_ridge, reduce_sum)
+    job = _Job(base, family, method, settings.reconstruct_ridge, reduce_sum, plan)
     batches = list(batches)[: settings.max_calibration_batches]
     device = next(base.parameters()).device
     was_training = base.training
@@ -394,7 +434,7 @@ def _summary(job: _Job, inputs: str, seconds: float) -> dict[str, Any]:
     out = {"method": job.method, "inputs": inputs, "tokens": job.tokens,
            "rel_err_before_mean": mean("rel_err_before"), "rel_err_after_mean": mean("rel_err_after"),
            "sub_blocks": figs, "time_s": seconds}
-    if job.method == "least_squares":
+    if job.method in ("least_squares", "obs"):
         out["ridge"] = job.ridge
     return out
 

@@ -186,7 +186,9 @@ class PruneSettings:
     sub-block loses at most floor(reach x its probe slice) units; docs/methods.md)."""
     reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
-    contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns).
+    contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns);
+    obs (structured OBS: the plan's counts kept, the units chosen greedily by the error left after the
+    inverse-Hessian update, the same refit).
     Not available under DeepSpeed (docs/methods.md, Reconstruction)."""
     reconstruct_ridge: float = 1e-2
     """least_squares damping λ as a fraction of the mean diagonal of X_KᵀX_K (SparseGPT's percdamp convention);

@@ -154,7 +154,7 @@ def test_toy_allocation_checks_come_from_its_row(toy):
 
 def test_unregistered_allocation_is_refused_in_one_line():
     with pytest.raises(SettingsError, match=r"^prune.allocation='mlp_only' is not allowed: use one of global, "
-                                            r"uniform, layerwise, blockwise, depth, calibrated$"):
+                                            r"uniform, layerwise, blockwise, depth, calibrated, search$"):
         PruneSettings(allocation="mlp_only")
 
 

@@ -20,6 +20,7 @@ from prunelight.allocation.calibrated import (
     measure_calibrated,
 )
 from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
+from prunelight.allocation.search import SearchOptions, allocate_search, measure_search
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import (
@@ -49,6 +50,9 @@ ROWS = (
                               Shape.SERVED: allocate_served}, splits=True, kv_target=True,
                measure=measure_calibrated, record_as="probes", options=CalibratedOptions, zero3=False,
                rescale=calibrated_scores, precheck=check_removable),
+    # Widths by the measured KL of whole candidates: a levels database and an evolutionary search (search.py).
+    Allocation("search", {Shape.FREE: allocate_search}, measure=measure_search, record_as="search",
+               options=SearchOptions, zero3=False, precheck=check_removable),
 )
 
 ALLOCATIONS: dict[str, Allocation] = {row.name: row for row in ROWS}

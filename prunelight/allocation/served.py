@@ -37,7 +37,7 @@ from prunelight.allocation.budget import (
 from prunelight.allocation.structural import depth
 from prunelight.importance.base import UnitScores
 
-BIAS_FREE_RECONSTRUCT = ("none", "least_squares")  # `bias` adds o_proj/down_proj biases the layout cannot state
+BIAS_FREE_RECONSTRUCT = ("none", "least_squares", "obs")  # `bias` adds o_proj/down_proj biases the layout cannot state
 FORMAT = "export.format=nemotron_nas"
 
 

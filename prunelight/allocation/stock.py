@@ -21,7 +21,7 @@ from prunelight.allocation.base import AllocationInputs, Removal, Shape, constra
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest, plan_params_removed
 from prunelight.importance.base import UnitScores
 
-BIAS_FREE_RECONSTRUCT = ("none", "least_squares")  # `bias` adds o_proj/down_proj biases no stock config states
+BIAS_FREE_RECONSTRUCT = ("none", "least_squares", "obs")  # `bias` adds o_proj/down_proj biases no stock config states
 
 
 def check_uniform_settings(settings) -> None:

@@ -10,6 +10,7 @@ from prunelight.importance.fisher import FisherCriterion
 from prunelight.importance.flap import FlapCriterion, WandaSPCriterion
 from prunelight.importance.llm_pruner import TaylorElementCriterion, TaylorMixCriterion, TaylorSecondCriterion
 from prunelight.importance.magnitude import MagnitudeCriterion, MagnitudeL1Criterion
+from prunelight.importance.obs import ObsCriterion
 from prunelight.importance.random import RandomCriterion
 from prunelight.importance.second_order import SecondOrderCriterion
 from prunelight.importance.taylor import TaylorCriterion
@@ -29,6 +30,7 @@ CRITERIA: dict[str, type[Criterion]] = {
     "wanda_sp": WandaSPCriterion,
     "flap": FlapCriterion,
     "entropy": EntropyCriterion,
+    "obs": ObsCriterion,
     "magnitude": MagnitudeCriterion,
     "magnitude_l1": MagnitudeL1Criterion,
     "random": RandomCriterion,

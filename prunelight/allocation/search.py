@@ -1,0 +1,424 @@
+"""`search`: per-sub-block widths chosen by the measured divergence of whole candidate models (EvoPress-style).
+
+A candidate is a *level assignment*: for every sub-block how many of its units are removed, GQA groups one at a
+time and MLP channels on a grid of `step` channels (`LevelSpace`). Its weights come from the levels database
+(`prunelight.levels`: nested removal orders, each level's o_proj / down_proj refitted as the cut will be), so
+evaluating a candidate is one masked forward of the model with those weights swapped in.
+
+- Budget: every candidate removes target <= units' parameters < target + step x c_cost (`LevelSpace.repair`); the
+  final removal (`finish`) gives back the last channels of the orders until target <= P < target + c_cost counting
+  everything `plan_params_removed` counts, the contract of the other allocations (`plan.budget_error_params`).
+- Fitness: the mean per-token KL(dense || candidate) of the next-token distributions on calibration sequences
+  (`KLFitness`; the dense log-probabilities are computed once).
+- Search (`evolve`): (1 + λ) with elitism, as EvoPress: each generation λ offspring of the best candidate, each
+  with a few *level moves* (`mutate`): one sub-block gives a level and another of the same kind takes one (equal
+  cost), or a GQA group is traded for MLP steps and the MLP side is repaired to the budget window. Selection runs in
+  stages: all offspring on a few sequences, the best of them on more, the best one on the most, against the parent
+  on the same sequences. The first generation holds the seeds (uniform, global, and whatever plans the caller adds:
+  calibrated, layerwise), so the result is never worse than they are on the last stage's calibration KL.
+- Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
+  written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prunelight.allocation.base import Removal
+from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
+from prunelight.allocation.width import global_width, uniform_counts
+from prunelight.console import progress
+from prunelight.families import get_family, unwrap
+from prunelight.levels import LevelsDatabase, build_database, database_key, load_database
+from prunelight.reconstruct import output_proj
+
+log = logging.getLogger(__name__)
+KINDS = ("attn", "mlp")
+Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups; mlp: channels, a multiple of step)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Options of `prune.allocation: search` (`prune.allocation_args`)."""
+
+    generations: int = 40
+    """Generations of the (1 + λ) search."""
+    offspring: int = 12
+    """λ: candidates per generation, each a few level moves away from the best so far."""
+    stages: tuple[int, ...] = (2, 8, 16)
+    """Calibration sequences each selection stage scores candidates on (more in later stages, as EvoPress)."""
+    survivors: tuple[int, ...] = (12, 3, 1)
+    """Candidates entering each stage (the first is all offspring)."""
+    moves: int = 3
+    """Most level moves per offspring (1..moves, drawn uniformly)."""
+    mlp_levels: int = 32
+    """MLP widths on a grid of 1/mlp_levels of the width (rounded to prune.align_channels)."""
+    order: str = "criterion"
+    """Removal order inside a sub-block: "criterion" (the criterion's scores) or "obs" (structured OBS's greedy)."""
+    seed: int = 0
+    """Random seed of the mutations."""
+
+    def __post_init__(self) -> None:
+        for name in ("generations", "offspring", "moves", "mlp_levels"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
+                raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= "
+                                 f"{0 if name == 'generations' else 1}")
+        stages, surv = tuple(self.stages), tuple(self.survivors)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "survivors", surv)
+        if not stages or len(stages) != len(surv) or any(int(s) < 1 for s in stages + surv):
+            raise ValueError(f"prune.allocation_args.stages={list(stages)} / survivors={list(surv)} are not allowed: "
+                             "two lists of equal length of integers >= 1")
+        if list(surv) != sorted(surv, reverse=True) or list(stages) != sorted(stages):
+            raise ValueError(f"prune.allocation_args.stages={list(stages)} / survivors={list(surv)} are not allowed: "
+                             "stages must not shrink and survivors must not grow")
+        if self.order not in ("criterion", "obs"):
+            raise ValueError(f"prune.allocation_args.order={self.order!r} is not allowed: use criterion or obs")
+
+
+# --- the space of level assignments --------------------------------------------------------------------------------
+@dataclass
+class LevelSpace:
+    """Which levels each sub-block may take, their parameter cost and the budget window."""
+
+    budget: Budget
+    step: int  # MLP channels per level
+    limits: dict[str, list[int]]  # most units removable per sub-block (a multiple of step for the MLP)
+
+    @classmethod
+    def of(cls, budget: Budget, mlp_levels: int, align: int = 1) -> LevelSpace:
+        """Levels from the budget's limits: every group count, MLP widths every 1/mlp_levels (x align)."""
+        width = max(budget.n_chans) if budget.n_chans else 1
+        step = max(1, int(round(width / mlp_levels)))
+        step = max(align, int(round(step / align)) * align) if align > 1 else step
+        lim = {"attn": list(budget.limits("attn")), "mlp": [(m // step) * step for m in budget.limits("mlp")]}
+        return cls(budget, step, lim)
+
+    def cost(self, levels: Levels) -> int:
+        """Unit parameters the assignment removes."""
+        return sum(levels["attn"]) * self.budget.g_cost + sum(levels["mlp"]) * self.budget.c_cost
+
+    @property
+    def window(self) -> int:
+        """Width of the budget window in parameters: one MLP level."""
+        return self.step * self.budget.c_cost
+
+    def within(self, levels: Levels) -> bool:
+        """Whether the assignment is inside target <= cost < target + one MLP level, and inside the limits."""
+        c = self.cost(levels)
+        inside = all(0 <= levels[k][i] <= self.limits[k][i] for k in KINDS for i in range(len(levels[k])))
+        return inside and self.budget.target <= c < self.budget.target + self.window
+
+    def snap(self, removed_counts: Levels) -> Levels:
+        """An assignment near the given removed counts per sub-block (MLP on the grid), repaired to the window."""
+        out = {"attn": [min(a, lim) for a, lim in zip(removed_counts["attn"], self.limits["attn"])],
+               "mlp": [min(int(round(m / self.step)) * self.step, lim)
+                       for m, lim in zip(removed_counts["mlp"], self.limits["mlp"])]}
+        return self.repair(out, random.Random(0))
+
+    def repair(self, levels: Levels, rng: random.Random) -> Levels | None:
+        """Move MLP levels of random sub-blocks until the cost is inside the window; None if it cannot."""
+        lv = {k: list(v) for k, v in levels.items()}
+        target, window = self.budget.target, self.window
+        n = len(lv["mlp"])
+        for _ in range(10 * sum(self.limits["mlp"]) // max(self.step, 1) + 10):
+            c = self.cost(lv)
+            if c < target:
+                room = [i for i in range(n) if lv["mlp"][i] + self.step <= self.limits["mlp"][i]]
+                if not room:
+                    return None
+                lv["mlp"][rng.choice(room)] += self.step
+            elif c >= target + window:
+                room = [i for i in range(n) if lv["mlp"][i] >= self.step]
+                if not room:
+                    return None
+                lv["mlp"][rng.choice(room)] -= self.step
+            else:
+                return lv
+        return None
+
+    def mutate(self, levels: Levels, rng: random.Random, moves: int) -> Levels | None:
+        """1..moves level moves: equal-cost swaps inside a kind, or a GQA group traded against the MLP (repaired)."""
+        lv = {k: list(v) for k, v in levels.items()}
+        for _ in range(rng.randint(1, moves)):
+            kind = "mlp" if not any(self.limits["attn"]) or rng.random() < 0.5 else "attn"
+            unit = self.step if kind == "mlp" else 1
+            ups = [i for i in range(len(lv[kind])) if lv[kind][i] + unit <= self.limits[kind][i]]
+            downs = [i for i in range(len(lv[kind])) if lv[kind][i] >= unit]
+            if not ups or not downs:
+                continue
+            up = rng.choice(ups)
+            if kind == "attn" and rng.random() < 0.5:  # trade: one group more or less, the MLP repairs the budget
+                if rng.random() < 0.5:
+                    lv["attn"][up] += 1
+                else:
+                    lv["attn"][rng.choice(downs)] -= 1
+                continue
+            down = rng.choice([i for i in downs if i != up] or downs)
+            if down == up:
+                continue
+            lv[kind][up] += unit
+            lv[kind][down] -= unit
+        return self.repair(lv, rng)
+
+    def removed(self, levels: Levels, db: LevelsDatabase) -> Removed:
+        """The units removed: each sub-block's first `levels` units of its order."""
+        out = empty_removed(self.budget)
+        for kind in KINDS:
+            for i, r in enumerate(levels[kind]):
+                if r:
+                    out[kind][i] = set(db.blocks[(kind, i)].order[:r])
+        return out
+
+
+def counts_of(removed: Removed) -> Levels:
+    """Per-sub-block removed counts of a removal."""
+    return {k: [len(s) for s in removed[k]] for k in KINDS}
+
+
+def finish(space: LevelSpace, levels: Levels, db: LevelsDatabase, align: int = 1) -> Removed:
+    """The final removal: the assignment's units, then the last channels of the orders given back (one sub-block
+    after another, most-removed first, `align` at a time) until target <= P < target + align x c_cost counting
+    everything the plan removes."""
+    budget = space.budget
+    removed = space.removed(levels, db)
+    total = plan_params_removed(budget, build_plan(budget, removed))
+    excess = (total - budget.target) // (budget.c_cost * align)
+    layers = sorted(range(budget.num_layers), key=lambda i: -len(removed["mlp"][i]))
+    live = [i for i in layers if 0 < len(removed["mlp"][i]) < budget.n_chans[i]]
+    k = 0
+    while excess > 0 and live:
+        i = live[k % len(live)]
+        order = db.blocks[("mlp", i)].order
+        r = len(removed["mlp"][i])
+        if r > align:
+            for j in order[r - align:r]:
+                removed["mlp"][i].discard(j)
+            excess -= 1
+        else:
+            live.remove(i)
+            continue
+        k += 1
+    return removed
+
+
+# --- fitness --------------------------------------------------------------------------------------------------------
+class KLFitness:
+    """Mean per-token KL(dense || candidate) of next-token distributions on the first n calibration sequences."""
+
+    def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, batch: int = 8) -> None:
+        self.base = unwrap(model)
+        self.family = get_family(self.base)
+        self.db, self.batch = db, batch
+        self.device = next(self.base.parameters()).device
+        self.seqs = sequences.to(self.device)
+        self.projs = {(k, i): output_proj(self.family, layer, k)
+                      for i, layer in enumerate(self.family.layers(self.base)) for k in KINDS
+                      if (k, i) in db.blocks}
+        self.dense_w = {key: p.weight.data for key, p in self.projs.items()}
+        with torch.no_grad():
+            # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
+            self.dense = [self._logp(chunk) for chunk in torch.split(self.seqs, batch)]
+        self.forwards = 0  # sequences run
+
+    def _logp(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.base(input_ids=ids, use_cache=False).logits
+        return F.log_softmax(logits[:, :-1].float(), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, levels: Levels, n: int) -> float:
+        """KL on the first `n` sequences with the assignment's weights swapped in (the dense ones restored after)."""
+        was = self.base.training
+        self.base.eval()
+        try:
+            for (kind, i), proj in self.projs.items():
+                r = levels[kind][i]
+                if r:
+                    proj.weight.data = self.db.weight_at(kind, i, r).to(proj.weight.dtype)
+            total, tokens = 0.0, 0
+            for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
+                logp = self._logp(chunk)
+                dense = self.dense[b][: chunk.shape[0]].float()
+                total += float((dense.exp() * (dense - logp)).sum())
+                tokens += logp.shape[0] * logp.shape[1]
+                self.forwards += chunk.shape[0]
+            return total / max(tokens, 1)
+        finally:
+            for key, proj in self.projs.items():
+                proj.weight.data = self.dense_w[key]
+            self.base.train(was)
+
+
+# --- the search -----------------------------------------------------------------------------------------------------
+@dataclass
+class SearchResult:
+    """The best assignment, its KL, and what the search did (for plan.meta and the report)."""
+
+    levels: Levels
+    kl: float
+    seeds: dict[str, float]
+    trajectory: list[dict[str, Any]] = field(default_factory=list)
+    times_s: dict[str, float] = field(default_factory=dict)
+    step: int = 0
+    forwards: int = 0  # calibration sequences run by the fitness
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able summary."""
+        return {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
+                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards}
+
+
+def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: dict[str, Levels],
+           options: SearchOptions, state_path: Path | None = None) -> SearchResult:
+    """(1 + λ) search with staged selection from the best seed (module docstring); resumes from `state_path`."""
+    t0 = time.perf_counter()
+    final = options.stages[-1]
+    state = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
+    rng = random.Random(options.seed)
+    if state is not None and state.get("options") == _opts(options):
+        parent, best, seed_kl, trajectory, start = (state["parent"], state["kl"], state["seeds"], state["trajectory"],
+                                                    state["generation"])
+        rng.setstate(state["rng"])
+        log.info("allocation search: resumed at generation %d (KL %.5f)", start, best)
+    else:
+        seed_kl = {}
+        parent, best = None, math.inf
+        for name, lv in seeds.items():
+            if lv is None or not space.within(lv):
+                continue
+            kl = fitness(lv, final)
+            seed_kl[name] = kl
+            if kl < best:
+                parent, best = lv, kl
+        if parent is None:
+            raise ValueError("allocation search: no seed assignment meets the budget")
+        trajectory, start = [{"generation": 0, "kl": best, "seconds": time.perf_counter() - t0}], 0
+    bar = progress(range(start, options.generations), "allocation search", total=options.generations, unit="gen")
+    bar.update(start)
+    for gen in bar:
+        kids = []
+        for _ in range(options.offspring * 4):
+            if len(kids) == options.offspring:
+                break
+            kid = space.mutate(parent, rng, options.moves)
+            if kid is not None and kid != parent and kid not in kids:
+                kids.append(kid)
+        pool = kids
+        for survivors, n in zip(options.survivors, options.stages):
+            pool = pool[:survivors]
+            if n == final:
+                break
+            pool = sorted(pool, key=lambda lv: fitness(lv, n))
+        for lv in pool:
+            kl = fitness(lv, final)
+            if kl < best:
+                parent, best = lv, kl
+        trajectory.append({"generation": gen + 1, "kl": best, "seconds": time.perf_counter() - t0})
+        bar.set_postfix(kl=f"{best:.5f}")
+        if state_path is not None:
+            _save_state(state_path, {"parent": parent, "kl": best, "seeds": seed_kl, "trajectory": trajectory,
+                                     "generation": gen + 1, "rng": rng.getstate(), "options": _opts(options)})
+    return SearchResult(parent, best, seed_kl, trajectory, {"search": time.perf_counter() - t0}, space.step)
+
+
+def _opts(options: SearchOptions) -> dict:
+    return {k: getattr(options, k) for k in ("offspring", "stages", "survivors", "moves", "mlp_levels", "order",
+                                             "seed")}
+
+
+def _save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def calibration_rows(batches: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+    """The first `n` calibration sequences as one [n, seq_len] tensor (rows of equal length)."""
+    rows = [r for b in batches for r in b]
+    if not rows:
+        raise ValueError("allocation search needs calibration batches")
+    length = min(r.numel() for r in rows)
+    return torch.stack([r[:length] for r in rows[:n]])
+
+
+# --- glue: one measurement, one allocation --------------------------------------------------------------------------
+def seed_levels(space: LevelSpace, scores, plans: dict[str, Removed] | None = None) -> dict[str, Levels]:
+    """The first generation: the uniform counts, global's knapsack on the criterion's scores, and `plans`."""
+    budget = space.budget
+    out: dict[str, Levels] = {}
+    g, c = uniform_counts(budget)
+    out["uniform"] = space.snap({"attn": [min(g, n) for n in budget.n_groups], "mlp": [c] * budget.num_layers})
+    out["global"] = space.snap(counts_of(global_width(scores, budget)))
+    for name, removed in (plans or {}).items():
+        out[name] = space.snap(counts_of(removed))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget, scores, settings,
+               options: SearchOptions, state_dir: Path | None = None, plans: dict[str, Removed] | None = None,
+               db: LevelsDatabase | None = None) -> tuple[Removed, SearchResult, LevelsDatabase]:
+    """Levels database (built or loaded from `state_dir`), the search, and the final removal."""
+    space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels)
+    t0 = time.perf_counter()
+    if db is None:
+        path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
+        tokens = sum(b.numel() for b in batches)
+        key = database_key(model, settings.criterion, options.order, tokens)
+        db = load_database(path, model, key) if path is not None else None
+        if db is None:
+            db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
+                                settings.reconstruct_ridge, settings.criterion)
+            if path is not None:
+                db.save(path)
+    t_db = time.perf_counter() - t0
+    fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]))
+    seeds = seed_levels(space, scores, plans)
+    # One state file per order and budget: a state of another search is never resumed from.
+    state = state_dir / f"search_state_{options.order}_{budget.target}.pt" if state_dir is not None else None
+    result = evolve(space, fitness, seeds, options, state)
+    result.times_s = {"database": t_db, "search": result.times_s["search"]}
+    result.forwards = fitness.forwards
+    return finish(space, result.levels, db, settings.align_channels), result, db
+
+
+@dataclass
+class SearchMeasured:
+    """What the row's measurement hands to its allocation: the final removal and the search's summary."""
+
+    removed: Removed
+    result: SearchResult
+
+    def as_dict(self) -> dict[str, Any]:
+        """plan.meta["search"]: KL reached and the seeds', trajectory, phase times, the levels chosen."""
+        return self.result.as_dict()
+
+
+def measure_search(inp) -> SearchMeasured:
+    """The row's measurement (`MeasureInputs`): the levels database and the search on the calibration batches."""
+    if inp.reduce_sum is not None:
+        raise ValueError("prune.allocation='search' runs on one process (its database and search are not summed "
+                         "over ranks yet); use one device, or prune.allocation: calibrated")
+    options = inp.options if inp.options is not None else SearchOptions()
+    removed, result, _ = run_search(inp.model, inp.batches, inp.budget, inp.scores, inp.settings, options,
+                                    inp.state_dir)
+    return SearchMeasured(removed, result)
+
+
+def allocate_search(inp) -> Removal:
+    """Shape.FREE: the removal the search measured (already within one channel of the target: exact)."""
+    if inp.measured is None:
+        raise ValueError("allocation 'search' needs its measurement (measure_search) before allocate")
+    return Removal({k: [set(s) for s in v] for k, v in inp.measured.removed.items()}, exact=True)

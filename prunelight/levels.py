@@ -1,0 +1,224 @@
+"""The levels database: every sub-block's pruned and repaired weights at a ladder of widths, from the dense inputs.
+
+For each sub-block (a layer's attention, a layer's MLP) a *level* is how many of its units are removed: every GQA
+group count, and MLP widths on a grid of `step` channels. Levels are nested: a level removes the first r units of
+the sub-block's removal order, so a level is the previous one minus some units, plus its refit. The order is
+either the criterion's (lowest score first, as every allocation takes units within a sub-block) or structured
+OBS's greedy order (`obs.greedy_removal` on the sub-block's Gram).
+
+What is stored is compact: per sub-block its order (unit indices) and the Gram G = Σ x xᵀ of its output
+projection's inputs over the calibration tokens of the *dense* model (fp32); the weights at a level are derived on
+demand, the kept o_proj / down_proj columns refitted by the least-squares fit `prune.reconstruct` uses, and cached
+(`weight_at`). With dense inputs the targets are y = W x, so every statistic of `reconstruct.least_squares_fit`
+follows from G alone (`stats_from_gram`): a level's weights are exactly what `reconstruct: least_squares` writes
+when that sub-block is cut to that level. With order `obs` the refit is OBS's final update (damping from the full
+Gram, `reconstruct: obs`). SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
+
+The database is saved (`save` / `load`, a torch file with a key of the model's sizes, the criterion, the order and
+the calibration tokens), so other ratios and later runs reuse it as they reuse saved scores.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from prunelight.families import get_family, unwrap
+from prunelight.importance.base import UnitScores
+from prunelight.importance.obs import ObsCriterion, unit_columns
+from prunelight.obs import damping, greedy_removal
+from prunelight.reconstruct import FitStats, least_squares_fit, output_proj
+
+ORDERS = ("criterion", "obs")
+KINDS = ("attn", "mlp")
+
+
+def input_grams(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Per layer, the Gram of the o_proj / down_proj inputs over `batches` of the dense model, and the tokens."""
+    base = unwrap(model)
+    crit = ObsCriterion()
+    crit.attach(base)
+    device = next(base.parameters()).device
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                base(input_ids=ids.to(device), use_cache=False)
+    finally:
+        crit.detach()
+        base.train(was_training)
+    return crit.grams, int(crit.tokens)
+
+
+def stats_from_gram(w: torch.Tensor, gram: torch.Tensor, kept_cols: torch.Tensor, tokens: int,
+                    wg: torch.Tensor | None = None) -> FitStats:
+    """`reconstruct.FitStats` of a projection with dense inputs, from the full Gram: targets y = W x.
+
+    Only the second-order sums are exact (n, G_KK, C = W G_:K, Σ||y||², e0); the first-order ones (Σx, Σy) are
+    not kept by the Gram and are zero, which no least-squares figure reads. `wg`: W G when already computed.
+    """
+    w64 = w.double()
+    wg = (w64 @ gram.double()) if wg is None else wg.double()  # [out, d]
+    gone = torch.ones(w.shape[1], dtype=torch.bool)
+    gone[kept_cols.cpu()] = False
+    gone = gone.to(w.device)
+    w_r = w64[:, gone]
+    err0 = (w_r @ gram[gone][:, gone].double() * w_r).sum()
+    return FitStats(n=torch.tensor(float(tokens), dtype=torch.float64), sum_x=torch.zeros(len(kept_cols)),
+                    sum_y=torch.zeros(w.shape[0]), err0=err0, yy=(wg * w64).sum(),
+                    gram=gram[kept_cols][:, kept_cols].float(), cross=wg[:, kept_cols].float())
+
+
+@dataclass
+class SubBlock:
+    """One sub-block's entry: its removal order, the columns each unit owns, the Gram and the dense weight."""
+
+    order: list[int]
+    columns: torch.Tensor  # [units, block]
+    gram: torch.Tensor  # [d, d] fp32
+    weight: torch.Tensor  # [out, d] the dense o_proj / down_proj weight (fp32)
+    _wg: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def wg(self) -> torch.Tensor:
+        """W G (fp64), computed once: the cross term of every level's refit."""
+        if self._wg is None:
+            self._wg = self.weight.double() @ self.gram.double()
+        return self._wg
+
+    @property
+    def units(self) -> int:
+        """Units of the sub-block."""
+        return int(self.columns.shape[0])
+
+
+@dataclass
+class LevelsDatabase:
+    """Every sub-block's nested removal order and dense-input statistics; weights at a level on demand."""
+
+    blocks: dict[tuple[str, int], SubBlock]
+    order: str
+    ridge: float
+    tokens: int
+    key: dict[str, Any] = field(default_factory=dict)
+    cache_bytes: int = 1 << 29  # derived weights kept (least recently used first out)
+    build_s: float = 0.0
+    _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
+
+    def weight_at(self, kind: str, layer: int, removed: int) -> torch.Tensor:
+        """The full-width output-projection weight (fp32) with the first `removed` units of the order gone
+        (their columns zero) and the kept columns refitted."""
+        key = (kind, layer, removed)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        b = self.blocks[(kind, layer)]
+        if removed == 0:
+            return b.weight
+        gone = set(b.order[:removed])
+        keep_units = [u for u in range(b.units) if u not in gone]
+        out = torch.zeros_like(b.weight)
+        if keep_units:
+            cols = b.columns[keep_units].reshape(-1).to(b.weight.device)
+            out[:, cols] = self._refit(b, cols)
+        self._cache[key] = out
+        size = sum(t.numel() * t.element_size() for t in self._cache.values())
+        while size > self.cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            size -= old.numel() * old.element_size()
+        return out
+
+    def _refit(self, b: SubBlock, cols: torch.Tensor) -> torch.Tensor:
+        stats = stats_from_gram(b.weight, b.gram, cols, self.tokens, b.wg)
+        w_k = b.weight[:, cols]
+        if self.order == "obs":  # OBS's final update: the damping of the full Gram (reconstruct: obs)
+            lam = damping(b.gram, self.ridge)
+            mean_k = float(stats.gram.diagonal().double().mean())
+            ridge = lam / mean_k if mean_k > 0 else self.ridge
+        else:
+            ridge = self.ridge
+        w_new, after = least_squares_fit(stats, w_k, ridge)
+        return w_new if after <= float(stats.err0) else w_k
+
+    def save(self, path: Path) -> None:
+        """Write the database (orders, Grams, dense weights are not stored: they are the model's)."""
+        data = {"key": self.key, "order": self.order, "ridge": self.ridge, "tokens": self.tokens,
+                "blocks": {f"{k}:{i}": {"order": b.order, "gram": b.gram.cpu()} for (k, i), b in self.blocks.items()}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(data, tmp)
+        tmp.replace(path)
+
+
+def database_key(model: nn.Module, criterion: str, order: str, tokens: int) -> dict[str, Any]:
+    """What a saved database is valid for: the model's layer sizes and a weight fingerprint, criterion, order,
+    calibration tokens."""
+    base = unwrap(model)
+    family = get_family(base)
+    shapes = family.layer_shapes(base)
+    first = output_proj(family, family.layers(base)[0], "mlp").weight
+    return {"groups": [s.num_key_value_heads for s in shapes], "channels": [s.intermediate_size for s in shapes],
+            "fingerprint": float(first.detach().double().abs().sum()), "criterion": criterion, "order": order,
+            "tokens": tokens}
+
+
+def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
+    base = unwrap(model)
+    family = get_family(base)
+    shapes = family.layer_shapes(base)
+    for i, layer in enumerate(family.layers(base)):
+        for kind in KINDS:
+            if kind in grams[i]:
+                cols = unit_columns(family, base.config, shapes[i], kind)
+                w = output_proj(family, layer, kind).weight.detach().float()
+                yield kind, i, cols, w
+
+
+def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitScores, limits: dict[str, list[int]],
+                   order: str = "criterion", ridge: float = 1e-2, criterion: str = "") -> LevelsDatabase:
+    """Grams from one dense pass, then each sub-block's removal order up to `limits[kind][layer]` units."""
+    import time
+
+    if order not in ORDERS:
+        raise ValueError(f"levels order={order!r} is not allowed: use one of {', '.join(ORDERS)}")
+    t0 = time.perf_counter()
+    grams, tokens = input_grams(model, batches)
+    blocks = {}
+    for kind, i, cols, w in _dense_blocks(model, grams):
+        g = grams[i][kind]
+        n = cols.shape[0]
+        lim = limits[kind][i]
+        if order == "obs":
+            seq = greedy_removal(w, g, cols, lim, damping(g, ridge)).order if lim else []
+        else:
+            s = scores[kind][i].float()
+            seq = sorted(range(n), key=lambda j: (float(s[j]), j))[:lim]
+        blocks[(kind, i)] = SubBlock(list(seq), cols, g, w)
+    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, criterion, order, tokens))
+    db.build_s = time.perf_counter() - t0
+    return db
+
+
+def load_database(path: Path, model: nn.Module, key: dict[str, Any]) -> LevelsDatabase | None:
+    """A saved database when its key matches `key` (else None: it is rebuilt)."""
+    if not path.is_file():
+        return None
+    data = torch.load(path, weights_only=False)
+    if data.get("key") != key:
+        return None
+    grams: list[dict[str, torch.Tensor]] = [{} for _ in key["groups"]]
+    for name, entry in data["blocks"].items():
+        kind, i = name.split(":")
+        grams[int(i)][kind] = entry["gram"]
+    blocks = {}
+    for kind, i, cols, w in _dense_blocks(model, grams):
+        entry = data["blocks"][f"{kind}:{i}"]
+        blocks[(kind, i)] = SubBlock(list(entry["order"]), cols, entry["gram"].to(w.device), w)
+    return LevelsDatabase(blocks, data["order"], data["ridge"], data["tokens"], data["key"])

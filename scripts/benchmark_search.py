@@ -1,0 +1,246 @@
+"""Per-layer widths chosen by measured KL (`allocation: search`) against the uniform stock shape, on one model.
+
+Rows per ratio (perplexity on the run's own protocol: the first --eval-chars characters of --eval in --seq-len
+windows; calibration --samples x --seq-len tokens of --calibration), no recovery:
+
+- ``stock``: flap + least_squares under `export.format: stock` (one shape in every layer, the candidate of least
+  calibration NLL: `attn_mlp_split: auto`).
+- ``search``: the levels database from flap's order, each level refitted as `reconstruct: least_squares` does, the
+  evolutionary search on calibration KL (seeds: uniform counts, global's knapsack and the stock plan), then the cut
+  with least_squares.
+- ``search_obs``: the same with structured OBS's order and `reconstruct: obs`.
+- ``default``: flap + calibrated + least_squares (the shipped default; its probes are the slow part).
+
+Writes results/benchmarks/<name>.json and .md (rows appended as they finish; --resume keeps finished rows), with
+each phase's wall time (scoring, database, search, cut, evaluation) and the search trajectory.
+
+    PRUNELIGHT_SHARED=/work/shared OMP_NUM_THREADS=1 python scripts/benchmark_search.py --model /tmp/smollm2-f32 \
+        --ratios 0.2 --rows stock,search,search_obs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+ROWS = ("stock", "search", "search_obs", "default")
+
+
+def _load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path, stock_removed) -> dict:
+    """Cut a copy of `model` one way, evaluate it; returns the row (and keeps the stock removal for the seeds)."""
+    from prunelight.allocation import Shape, make_budget
+    from prunelight.allocation.budget import build_plan, plan_meta
+    from prunelight.allocation.search import SearchOptions, run_search
+    from prunelight.calibration import run_calibration
+    from prunelight.cut import run_cut
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+    from prunelight.importance import build_criterion
+    from prunelight.reconstruct import cut_and_reconstruct
+    from prunelight.settings import PruneSettings
+
+    row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
+    t0 = time.perf_counter()
+    pruned = copy.deepcopy(model)
+    if kind in ("stock", "default"):
+        opts = {"criterion": "flap", "ratio": ratio, "reconstruct": "least_squares"}
+        if kind == "stock":
+            opts.update(allocation="global", attn_mlp_split="auto")
+        else:
+            opts.update(allocation="calibrated")
+        settings = PruneSettings(**opts)
+        result = run_cut(pruned, calib, settings, shape=Shape.UNIFORM if kind == "stock" else Shape.FREE)
+        plan, row["times_s"] = result.plan, {"cut": time.perf_counter() - t0}
+        if kind == "stock":
+            stock_removed[ratio] = {
+                "attn": [set(range(n)) - set(lp.keep_groups) for n, lp in zip(plan.num_groups, plan.layers)],
+                "mlp": [set(range(n)) - set(lp.keep_channels) for n, lp in zip(plan.num_channels, plan.layers)]}
+    else:
+        order = "obs" if kind == "search_obs" else "criterion"
+        settings = PruneSettings(criterion="flap", ratio=ratio, allocation="global",
+                                 reconstruct="obs" if order == "obs" else "least_squares")
+        ts = time.perf_counter()
+        scores = run_calibration(model, calib, build_criterion("flap"))
+        t_score = time.perf_counter() - ts
+        budget = make_budget(model, settings)
+        options = SearchOptions(generations=args.generations, offspring=args.offspring, order=order,
+                                stages=tuple(args.stages), survivors=tuple(args.survivors),
+                                mlp_levels=args.mlp_levels)
+        seeds = {"stock": stock_removed[ratio]} if ratio in stock_removed else {}
+        removed, res, _ = run_search(model, calib, budget, scores, settings, options,
+                                     state_dir, plans=seeds)  # the database serves every ratio
+        plan = build_plan(budget, removed)
+        plan.meta = {"allocation": "search", "search": res.as_dict(), **plan_meta(budget, plan)}
+        tc = time.perf_counter()
+        row["reconstruction"] = cut_and_reconstruct(pruned, plan, calib, settings)["rel_err_after_mean"]
+        row["times_s"] = {"scoring": t_score, **res.times_s, "cut": time.perf_counter() - tc}
+        row["search"] = {k: v for k, v in res.as_dict().items() if k != "levels"}
+        row["levels"] = res.levels
+    row["budget_error_params"] = plan.meta.get("budget_error_params")
+    row["kept_groups"] = [len(lp.keep_groups) for lp in plan.layers]
+    row["kept_channels"] = [len(lp.keep_channels) for lp in plan.layers]
+    te = time.perf_counter()
+    ppl = evaluate_perplexity(pruned, evals)
+    row["times_s"]["eval"] = time.perf_counter() - te
+    row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=_params(pruned),
+               removed=1 - _params(pruned) / _params(model), seconds=time.perf_counter() - t0)
+    return row
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The table: ppl and x dense per row and ratio, the phases' wall time, the search's KL against its seeds."""
+    dense = meta["dense_ppl"]
+    out = [f"# allocation search on {meta['model_name']}", "",
+           f"Dense perplexity {dense:.2f} ({meta['eval_tokens']} tokens: {meta['eval']}); "
+           f"calibration {meta['calibration']}; no recovery; {meta['threads']} thread(s), {meta['machine']}, "
+           f"torch {meta['torch']}.", "",
+           "Search settings per variant: " + "; ".join(f"{k}: {v}" for k, v in meta.get("searches", {}).items())
+           + ".", "",
+           "| row | ratio | removed | ppl | x dense | budget error (params) | wall time (s) | search KL (seeds) |",
+           "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["ratio"], ROWS.index(r["row"]), r.get("variant", ""))):
+        name = r["row"] + (f" ({r['variant']})" if r.get("variant") else "")
+        if "error" in r:
+            out.append(f"| {name} | {r['ratio']:g} | - | error: {r['error']} | | | | |")
+            continue
+        times = ", ".join(f"{k} {v:.0f}" for k, v in r["times_s"].items())
+        kl = ""
+        if "search" in r:
+            s = r["search"]
+            kl = f"{s['kl']:.4f} ({', '.join(f'{k} {v:.4f}' for k, v in s['seeds_kl'].items())})"
+        out.append(f"| {name} | {r['ratio']:g} | {r['removed']:.4f} | {r['ppl']:.2f} | {r['ppl'] / dense:.3f} | "
+                   f"{r['budget_error_params']} | {times} | {kl} |")
+    out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
+            "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
+            "OBS's order, reconstruct obs; default = flap + calibrated + least_squares. A database time near 0 s "
+            "is the saved database of an earlier row read back (the database serves every ratio and variant). "
+            "KL figures are on each variant's last-stage sequences, so they compare within a row only.", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the rows, append to the JSON, rewrite the Markdown."""
+    from benchmark_methods import prepare_data
+
+    from prunelight.atomic import atomic_write_json, atomic_write_text
+    from prunelight.evaluation.perplexity import evaluate_perplexity
+    from prunelight.testing import shared_dir
+
+    shared = shared_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a Hugging Face folder (fp32)")
+    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
+    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
+    p.add_argument("--eval-chars", type=int, default=60000)
+    p.add_argument("--ratios", default="0.2")
+    p.add_argument("--rows", default="stock,search,search_obs")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--generations", type=int, default=20)
+    p.add_argument("--offspring", type=int, default=8)
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 8, 16])
+    p.add_argument("--survivors", type=int, nargs="+", default=[8, 2, 1])
+    p.add_argument("--mlp-levels", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--state-dir", default=str(Path(tempfile.gettempdir()) / "prunelight-search-state"))
+    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--name", default="search_smollm2")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in the JSON")
+    p.add_argument("--variant", default="", help="a label for these rows (search settings), kept beside other runs'")
+    args = p.parse_args(argv)
+    rows_asked = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows_asked if r not in ROWS]
+    if bad:
+        p.error(f"--rows {bad} not allowed: use {', '.join(ROWS)}")
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    out_dir = Path(args.out_dir)
+    json_path = out_dir / f"{args.name}.json"
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    with tempfile.TemporaryDirectory(prefix="prunelight-search-") as tmp:
+        data_file = Path(tmp) / "data.pt"
+        eval_path = Path(tmp) / "test.txt"
+        eval_path.write_text(Path(args.eval).read_text(encoding="utf-8")[: args.eval_chars], encoding="utf-8")
+        ns = argparse.Namespace(**{**vars(args), "eval": str(eval_path), "eval_tokens": None})
+        prepare_data(ns, data_file)
+        data = torch.load(data_file)
+    calib = list(torch.split(data["calib"], args.batch_size))
+    evals = list(torch.split(data["eval"], args.eval_batch_size))
+    model = _load(args.model)
+    meta = previous.get("meta")
+    if meta is None:
+        dense = evaluate_perplexity(model, evals)
+        import platform
+
+        meta = {"model": args.model, "model_name": Path(args.model).name, "dense_ppl": dense["ppl"],
+                "eval_tokens": dense["tokens"],
+                "eval": f"{Path(args.eval).name}, first {args.eval_chars:,} characters, {args.seq_len}-token windows",
+                "calibration": f"{data['calib'].shape[0]} x {args.seq_len} tokens of {Path(args.calibration).name}",
+                "threads": torch.get_num_threads(),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs",
+                "torch": torch.__version__}
+    if "search" in meta:  # written before variants were labelled
+        meta.setdefault("searches", {})["-"] = meta.pop("search")
+    meta.setdefault("searches", {})[args.variant or "-"] = (
+        f"{args.generations} generations x {args.offspring} offspring, stages {args.stages} sequences, "
+        f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
+    meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + " ".join(sys.argv[1:]))
+    rows = previous.get("rows", [])
+    def key(r: dict) -> tuple:
+        return r["row"], r["ratio"], r.get("variant", "")
+
+    done = {key(r) for r in rows if "error" not in r}
+    rows = [r for r in rows if key(r) in done]
+    stock_removed: dict = {}
+    state_dir = Path(args.state_dir)
+    for ratio in ratios:
+        for kind in sorted(rows_asked, key=ROWS.index):  # stock first: its plan seeds the search
+            stock_done = [r for r in rows if r["row"] == "stock" and r["ratio"] == ratio and "error" not in r]
+            if kind == "stock" and stock_done:  # the stock plan (a seed of the search) is read back from its row
+                r = stock_done[0]
+                if "removed_units" in r:
+                    stock_removed[ratio] = {k: [set(v) for v in r["removed_units"][k]] for k in ("attn", "mlp")}
+                    continue
+            if (kind, ratio, args.variant) in done:
+                continue
+            print(f"[search benchmark] {kind} at {ratio:g} ...", flush=True)
+            try:
+                row = run_row(kind, model, calib, evals, ratio, args, state_dir, stock_removed)
+                if kind == "stock" and ratio in stock_removed:
+                    row["removed_units"] = {k: [sorted(s) for s in v] for k, v in stock_removed[ratio].items()}
+            except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run
+                import traceback
+
+                traceback.print_exc()
+                row = {"row": kind, "ratio": ratio, "variant": args.variant, "error": f"{type(err).__name__}: {err}"}
+            rows = [r for r in rows if key(r) != (kind, ratio, args.variant)] + [row]
+            x = (row.get("ppl") or 0) / meta["dense_ppl"]
+            print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{x:.3f} times {row.get('times_s')}",
+                  flush=True)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(json_path, {"meta": meta, "rows": rows})
+            atomic_write_text(out_dir / f"{args.name}.md", markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()

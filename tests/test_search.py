@@ -1,0 +1,198 @@
+"""allocation search: levels database, budget window, KL fitness, the search never worse than its seeds, resume."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prunelight.allocation.budget import build_plan, make_budget, plan_params_removed
+from prunelight.allocation.search import (
+    KLFitness,
+    LevelSpace,
+    SearchOptions,
+    counts_of,
+    evolve,
+    finish,
+    run_search,
+)
+from prunelight.importance import build_criterion
+from prunelight.levels import build_database
+from prunelight.reconstruct import cut_and_reconstruct
+from prunelight.testing import settings_of, tiny_model
+
+
+def _batches(n: int = 4, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (2, 24), generator=g) for _ in range(n)]
+
+
+def _setup(ratio: float = 0.2, order: str = "criterion"):
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
+    settings = settings_of(ratio, reconstruct="least_squares")
+    budget = make_budget(model, settings)
+    scores = build_criterion("random", seed=1).scores(model)
+    lim = {k: budget.limits(k) for k in ("attn", "mlp")}
+    db = build_database(model, _batches(), scores, lim, order, settings.reconstruct_ridge)
+    return model, settings, budget, scores, db
+
+
+def test_mutations_stay_inside_the_budget_window():
+    _, _, budget, _, _ = _setup()
+    space = LevelSpace.of(budget, mlp_levels=8)
+    rng = random.Random(0)
+    lv = space.snap({"attn": [0] * 3, "mlp": [16] * 3})
+    assert lv is not None and space.within(lv)
+    for _ in range(200):
+        kid = space.mutate(lv, rng, 3)
+        if kid is not None:
+            assert space.within(kid)
+            assert all(m % space.step == 0 for m in kid["mlp"])
+            lv = kid
+
+
+@pytest.mark.parametrize("order", ["criterion", "obs"])
+def test_a_level_is_what_the_cut_with_least_squares_writes(order):
+    """The database's weights at a level equal the model cut to that level and repaired by the run's reconstruction."""
+    import copy
+
+    model, settings, budget, _, db = _setup(order=order)
+    space = LevelSpace.of(budget, mlp_levels=8)
+    levels = {"attn": [1, 0, 0], "mlp": [8, 16, 0]}
+    removed = space.removed(levels, db)
+    plan = build_plan(budget, removed)
+    cut = copy.deepcopy(model)
+    s = settings_of(0.2, reconstruct="obs" if order == "obs" else "least_squares")
+    cut_and_reconstruct(cut, plan, _batches(), s)
+    from prunelight.families import get_family
+    from prunelight.reconstruct import output_proj
+
+    fam = get_family(cut)
+    for i, layer in enumerate(fam.layers(cut)):
+        w = db.weight_at("mlp", i, levels["mlp"][i])
+        kept = [c for c in range(64) if c not in removed["mlp"][i]]
+        assert torch.allclose(output_proj(fam, layer, "mlp").weight, w[:, kept], atol=2e-4, rtol=1e-3)
+        assert w[:, sorted(removed["mlp"][i])].abs().sum() == 0 if removed["mlp"][i] else True
+
+
+def test_kl_fitness_is_zero_for_the_dense_levels_and_grows_with_removal():
+    model, _, budget, _, db = _setup()
+    rows = torch.cat(_batches())
+    fit = KLFitness(model, db, rows)
+    zero = {"attn": [0] * 3, "mlp": [0] * 3}
+    assert fit(zero, 4) == pytest.approx(0.0, abs=1e-4)
+    small = fit({"attn": [0] * 3, "mlp": [8, 0, 0]}, 4)
+    big = fit({"attn": [0] * 3, "mlp": [48, 0, 0]}, 4)
+    assert 0 < small < big
+    ref = model(input_ids=rows[:2]).logits  # the dense weights are back after a call
+    assert torch.allclose(ref, model(input_ids=rows[:2]).logits)
+
+
+def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
+    removed, res, db = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    assert res.kl <= min(res.seeds.values()) + 1e-12
+    assert {"uniform", "global"} <= set(res.seeds)
+    total = plan_params_removed(budget, build_plan(budget, removed))
+    assert budget.target <= total < budget.target + budget.c_cost
+    assert [t["kl"] for t in res.trajectory] == sorted((t["kl"] for t in res.trajectory), reverse=True)
+    assert (tmp_path / "levels_criterion.pt").is_file()
+    assert (tmp_path / f"search_state_criterion_{budget.target}.pt").is_file()
+
+
+def test_search_resumes_from_its_state(tmp_path):
+    model, settings, budget, scores, db = _setup()
+    space = LevelSpace.of(budget, mlp_levels=8)
+    fit = KLFitness(model, db, torch.cat(_batches()))
+    seeds = {"uniform": space.snap({"attn": [0] * 3, "mlp": [16] * 3})}
+    opts = SearchOptions(generations=3, offspring=3, stages=(4,), survivors=(3,), mlp_levels=8)
+    whole = evolve(space, fit, seeds, opts)
+    part = evolve(space, fit, seeds, SearchOptions(**{**opts.__dict__, "generations": 1}), tmp_path / "s.pt")
+    assert len(part.trajectory) == 2
+    resumed = evolve(space, fit, seeds, opts, tmp_path / "s.pt")
+    assert resumed.levels == whole.levels and resumed.kl == pytest.approx(whole.kl)
+    assert len(resumed.trajectory) == 4
+
+
+def test_finish_lands_within_one_channel():
+    _, _, budget, _, db = _setup(ratio=0.23)
+    space = LevelSpace.of(budget, mlp_levels=8)
+    lv = space.snap({"attn": [0] * 3, "mlp": [24] * 3})
+    removed = finish(space, lv, db)
+    total = plan_params_removed(budget, build_plan(budget, removed))
+    assert budget.target <= total < budget.target + budget.c_cost
+    assert counts_of(removed)["attn"] == lv["attn"]
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="generations=-1"):
+        SearchOptions(generations=-1)
+    with pytest.raises(ValueError, match="stages"):
+        SearchOptions(stages=(8, 2), survivors=(4, 1))
+    with pytest.raises(ValueError, match="order='x'"):
+        SearchOptions(order="x")
+
+
+def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path):
+    """The row's measurement and allocation functions, with the contract's inputs (MeasureInputs / AllocationInputs)."""
+    from types import SimpleNamespace
+
+    from prunelight.allocation.search import allocate_search, measure_search
+
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=2, offspring=3, stages=(2, 4), survivors=(3, 1), mlp_levels=8)
+    mi = SimpleNamespace(model=model, batches=_batches(), budget=budget, scores=scores, settings=settings,
+                         options=opts, reduce_sum=None, state_dir=tmp_path)
+    measured = measure_search(mi)
+    removal = allocate_search(SimpleNamespace(measured=measured))
+    total = plan_params_removed(budget, build_plan(budget, removal.removed))
+    assert removal.exact and budget.target <= total < budget.target + budget.c_cost
+    assert measured.as_dict()["trajectory"]
+    with pytest.raises(ValueError, match="one process"):
+        measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: t}))
+
+
+def test_allocation_search_end_to_end_through_prune():
+    """`prune.allocation: search` with its options from `allocation_args`: the plan meets the budget and records the
+    search; an unknown option is refused naming the allowed ones."""
+    import prunelight
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    args = {"generations": 2, "offspring": 3, "stages": [2, 4], "survivors": [3, 1], "mlp_levels": 8}
+    _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
+                                       "allocation_args": args}, _batches())
+    assert plan.meta["allocation"] == "search"
+    assert 0 <= plan.meta["budget_error_params"] < 3 * 64 and "search" in plan.meta  # one MLP channel: 3 x hidden
+    assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(plan.meta["search"]["seeds_kl"].values())
+    with pytest.raises(ValueError, match="generationz"):
+        prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
+                         _batches())
+
+
+def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
+    import importlib.util
+    import json
+    import math
+    from pathlib import Path
+
+    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_search.py"
+    spec = importlib.util.spec_from_file_location("benchmark_search", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=3, intermediate_size=64)
+    files = write_tiny_corpus(tmp_path / "data", lines=60)
+    bench.main(["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
+                "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--generations", "2", "--offspring", "2",
+                "--stages", "2", "4", "--survivors", "2", "1", "--mlp-levels", "8", "--rows", "stock,search",
+                "--state-dir", str(tmp_path / "state"), "--out-dir", str(tmp_path), "--name", "s"])
+    data = json.loads((tmp_path / "s.json").read_text())
+    rows = {r["row"]: r for r in data["rows"]}
+    assert set(rows) == {"stock", "search"} and all("error" not in r for r in rows.values())
+    assert math.isfinite(rows["search"]["ppl"]) and {"database", "search", "cut", "eval"} <= set(
+        rows["search"]["times_s"])
+    assert "stock" in rows["search"]["search"]["seeds_kl"]  # the stock plan seeds the search
+    assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
