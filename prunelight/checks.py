@@ -19,7 +19,7 @@ from prunelight.allocation.shapes import SHAPES
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
 from prunelight.saved import check_saved_inputs
-from prunelight.settings import PruneSettings
+from prunelight.settings import GgufSettings, PruneSettings
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,16 @@ def _check_widths(settings: PruneSettings, config) -> None:
         if keep > have:
             raise ValueError(f"{option}={keep} is not allowed: the model's layers have {have} {what}; "
                              f"use at most {have}")
+
+
+def check_gguf_export(settings: PruneSettings, gguf: GgufSettings | None, config) -> None:
+    """`export.gguf` against the model's config and the cut's settings, before any weights load (one line each)."""
+    if gguf is None:
+        return
+    from prunelight.gguf_export import check_gguf_config, check_gguf_widths
+
+    check_gguf_config(config)
+    if settings.reconstruct == "bias":
+        raise ValueError("export.gguf is not allowed with prune.reconstruct=bias: it does not write the "
+                         "o_proj/down_proj biases the compensation adds; use reconstruct: least_squares or none")
+    check_gguf_widths(gguf.dtype, config, settings.align_channels)

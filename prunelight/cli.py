@@ -23,7 +23,7 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
-from prunelight.checks import check_run
+from prunelight.checks import check_gguf_export, check_run
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation
 from prunelight.sources import one_value
 
@@ -78,8 +78,9 @@ class PrunelightCLI(LightningCLI):
         config = self.model.check_pretrained()
         self.datamodule.check_sources()
         self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
-        check_run(self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
-                  run_facts(self.trainer, self.model))
+        export = self._get(self.config_init, "export")
+        check_run(self._get(self.config_init, "prune"), export.shape, config, run_facts(self.trainer, self.model))
+        check_gguf_export(self._get(self.config_init, "prune"), export.gguf, config)
 
     def after_fit(self) -> None:
         handoff = self.model.cut_state.handoff
