@@ -36,6 +36,11 @@ _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8
                "q4_0": "MOSTLY_Q4_0"}
 
 
+# Channels of the all-zero MLP standing in for a removed one under a kept attention (`written_shapes`): one
+# quantization block of every type written.
+ZERO_MLP = 32
+
+
 class GgufExportError(ValueError):
     """The model (or its tokenizer) cannot be written as a GGUF file llama.cpp runs."""
 
@@ -141,8 +146,18 @@ def _rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _layer_tensors(family: ModelFamily, layer: nn.Module, shape: LayerShape, head_dim: int) -> dict[str, torch.Tensor]:
-    """One decoder layer's tensors under llama.cpp's names (without the `blk.N.` prefix)."""
+def written_shapes(shapes: list[LayerShape]) -> list[LayerShape]:
+    """The layer shapes the file states: an MLP removed under a kept attention becomes a `ZERO_MLP`-channel MLP.
+
+    llama.cpp's deci graph skips the rest of a layer whose feed_forward_length is 0, its attention's residual add
+    included (made for Nemotron-Ultra's layers with neither), so a zero MLP stands in: its output is exactly 0.
+    """
+    return [LayerShape(s.num_attention_heads, s.num_key_value_heads, ZERO_MLP)
+            if s.num_attention_heads and not s.intermediate_size else s for s in shapes]
+
+
+def _layer_tensors(family: ModelFamily, layer: nn.Module, shape: LayerShape, hidden: int) -> dict[str, torch.Tensor]:
+    """One decoder layer's tensors under llama.cpp's names (without the `blk.N.` prefix), as `shape` states it."""
     out: dict[str, torch.Tensor] = {}
     attn, mlp = family.attn(layer), family.mlp(layer)
     if attn is not None:
@@ -159,6 +174,10 @@ def _layer_tensors(family: ModelFamily, layer: nn.Module, shape: LayerShape, hea
         out["ffn_norm.weight"] = getattr(layer, family.mlp_norm_name).weight
         for name, proj in zip(("ffn_gate", "ffn_up", "ffn_down"), family.gate_up_down(mlp)):
             out.update({f"{name}.{p}": getattr(proj, p) for p in ("weight", "bias") if getattr(proj, p) is not None})
+    elif shape.intermediate_size:  # the zero MLP of `written_shapes`
+        out["ffn_norm.weight"] = torch.ones(hidden)
+        out["ffn_gate.weight"] = out["ffn_up.weight"] = torch.zeros(shape.intermediate_size, hidden)
+        out["ffn_down.weight"] = torch.zeros(hidden, shape.intermediate_size)
     return out
 
 
@@ -229,8 +248,8 @@ def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer
         raise GgufExportError(f"export.gguf.dtype={dtype!r} is not allowed: use one of {', '.join(GGUF_TYPES)}")
     base = unwrap(model)
     family, config = get_family(base), base.config
-    shapes = family.layer_shapes(base)
-    layout = gguf_layout(base, shapes)
+    layout = gguf_layout(base, family.layer_shapes(base))
+    shapes = written_shapes(layout.shapes)
     hd = family.head_dim(config)
     size = block_size(dtype)
     bad = sorted({w for s in shapes for w in (s.intermediate_size, s.num_attention_heads * hd) if w % size}
@@ -268,7 +287,7 @@ def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer
             _hf_tokenizer(w, tokenizer, config.vocab_size)
         _write_tensor(w, "token_embd.weight", base.get_input_embeddings().weight, dtype)
         for i, (layer, shape) in enumerate(zip(family.layers(base), shapes)):
-            for key, t in _layer_tensors(family, layer, shape, hd).items():
+            for key, t in _layer_tensors(family, layer, shape, config.hidden_size).items():
                 _write_tensor(w, f"blk.{i}.{key}", t, dtype)
         _write_tensor(w, "output_norm.weight", family.final_norm(base).weight, dtype)
         if not getattr(config, "tie_word_embeddings", False):  # tied: llama.cpp reads token_embd for the head

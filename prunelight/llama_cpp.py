@@ -77,3 +77,24 @@ def hf_perplexity(model, windows: list[list[int]]) -> float:
         nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
         count += len(w) - 1
     return math.exp(nll / count)
+
+
+# Two tokens whose log-probabilities differ by less than this are a tie within half-precision activations
+# (llama.cpp multiplies F16 weights with F16-rounded activations; transformers keeps float32 activations).
+NEAR_TIE = 0.02
+
+
+@torch.no_grad()
+def greedy_agreement(model, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]) -> dict:
+    """How llama.cpp's greedy tokens `got` compare with transformers' `want`: equal tokens, and at each first
+    divergence transformers' log-probability gap between its token and llama.cpp's (a near tie when < NEAR_TIE)."""
+    gaps = []
+    for prompt, g, w in zip(prompts, got, want):
+        at = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if at is None:
+            continue
+        logp = torch.log_softmax(model(torch.tensor([prompt + w[:at]])).logits[0, -1].float(), -1)
+        gaps.append(float(logp[w[at]] - logp[g[at]]))
+    return {"equal": got == want, "tokens_equal": sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)),
+            "tokens": sum(len(w) for w in want), "divergence_gaps": gaps,
+            "equal_up_to_near_ties": all(gap < NEAR_TIE for gap in gaps)}

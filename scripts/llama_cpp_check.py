@@ -7,7 +7,9 @@ the shipped calibration text, no reconstruction. Each is written as
 GGUF in every type (`prunelight.gguf_export.write_gguf`) and run in llama.cpp (node-llama-cpp, 2 threads):
 
 - greedy 16 tokens on 4 prompts, compared with transformers on the file's own weights (each matrix rounded
-  through the GGUF type and back): equal for F32 and F16 (asserted);
+  through the GGUF type and back): equal for F32 (asserted); for F16 equal up to near ties (asserted: where the
+  continuations part, transformers' two tokens are within NEAR_TIE = 0.02 nats, a tie within the F16-rounded
+  activations llama.cpp multiplies F16 weights with);
 - perplexity over WikiText-2 test windows, compared with transformers on the float32 model: within 1% for F16
   and F32 and within 3% for Q8_0 (asserted); BF16 and Q4_0 reported.
 
@@ -35,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from prunelight import sources  # noqa: E402
 from prunelight.families import get_family  # noqa: E402
 from prunelight.gguf_export import GGUF_TYPES, write_gguf  # noqa: E402
-from prunelight.llama_cpp import engine_missing, hf_greedy, hf_perplexity, run_llama_cpp  # noqa: E402
+from prunelight.llama_cpp import (  # noqa: E402
+    NEAR_TIE, engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp)
 from prunelight.surgery import apply_plan  # noqa: E402
 from prunelight.cut import run_cut  # noqa: E402
 from prunelight.settings import PruneSettings  # noqa: E402
@@ -115,11 +118,12 @@ def check_case(model, source_gguf, prompts, windows, types, folder: Path, thread
         ppl_same = hf_perplexity(same, windows)
         ppl_cpp = got["perplexity"]["ppl"]
         rel = abs(ppl_cpp / ppl_float - 1)
-        equal = got["greedy"] == want
-        ok = (equal or dtype not in GREEDY_EQUAL) and rel <= PPL_TOLERANCE.get(dtype, float("inf"))
+        agree = greedy_agreement(same, prompts, got["greedy"], want)
+        greedy_ok = agree["equal"] if dtype == "f32" else agree["equal_up_to_near_ties"]
+        ok = (greedy_ok or dtype not in GREEDY_EQUAL) and rel <= PPL_TOLERANCE.get(dtype, float("inf"))
         rows.append({"type": dtype, "file_mb": path.stat().st_size / 2**20, "write_s": write_s,
-                     "greedy_equal": equal, "greedy_tokens_equal": sum(a == b for g, w in zip(got["greedy"], want)
-                                                                   for a, b in zip(g, w)),
+                     "greedy_equal": agree["equal"], "greedy_tokens_equal": agree["tokens_equal"],
+                     "greedy_divergence_gaps": agree["divergence_gaps"],
                      "ppl_llama_cpp": ppl_cpp, "ppl_transformers_float32": ppl_float,
                      "ppl_transformers_same_weights": ppl_same, "rel_diff": rel, "ok": ok,
                      "llama_cpp": got["llama_cpp"]})
@@ -174,11 +178,15 @@ def main() -> int:
              f"`python scripts/llama_cpp_check.py` on {args.model}: greedy {NEW_TOKENS} tokens on {len(PROMPTS)} prompts "
              f"vs transformers on the file's own weights; perplexity over {args.windows} x {args.window_len} tokens of "
              f"{Path(args.text).name} vs transformers float32 (tolerance {PPL_TOLERANCE}).", "",
-             "| case | params | type | MB | greedy equal | ppl llama.cpp | ppl transformers fp32 | rel. diff | ok |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Greedy: tokens equal of {len(PROMPTS) * NEW_TOKENS}; where a continuation parts, transformers' "
+             f"log-probability gap between its token and llama.cpp's (a near tie below {NEAR_TIE} nats).", "",
+             "| case | params | type | MB | greedy tokens equal | gaps at partings | ppl llama.cpp | "
+             "ppl transformers fp32 | rel. diff | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['case']} | {r['params'] / 1e6:.1f}M | {r['type']} | {r['file_mb']:.0f} | "
-                     f"{r['greedy_equal']} ({r['greedy_tokens_equal']}/{len(PROMPTS) * NEW_TOKENS}) | "
+                     f"{r['greedy_tokens_equal']}/{len(PROMPTS) * NEW_TOKENS} | "
+                     f"{', '.join(f'{g:.4f}' for g in r['greedy_divergence_gaps']) or '-'} | "
                      f"{r['ppl_llama_cpp']:.3f} | {r['ppl_transformers_float32']:.3f} | {100 * r['rel_diff']:.2f}% | "
                      f"{'yes' if r['ok'] else 'NO'} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
