@@ -12,6 +12,7 @@ import torch
 from prunelight import sources
 from prunelight.checks import check_gguf_export
 from prunelight.errors import PrunelightError
+from prunelight.families import get_family
 from prunelight.gguf_export import GgufExportError, check_gguf_widths, write_gguf
 from prunelight.settings import ExportSettings, PruneSettings, SettingsError
 from prunelight.surgery import apply_plan
@@ -131,3 +132,44 @@ def test_gguf_setting_is_checked_once():
     assert ExportSettings().gguf is None
     with pytest.raises(SettingsError, match="export.gguf.dtype='q4_k' is not allowed: use one of f32, f16, bf16, q8_0"):
         ExportSettings(gguf={"dtype": "q4_k"})
+
+
+def test_fit_writes_the_gguf_beside_the_folder(tmp_path, monkeypatch):
+    """`prunelight fit ... --export.gguf.dtype f32`: the cut model as GGUF beside model/, named in report and card."""
+    import json
+
+    from prunelight.cli import cli_main
+    from prunelight.testing import tiny_fit_args, write_tiny_corpus
+
+    path, _ = make_tiny_gguf(tmp_path / "models" / "tiny.gguf")
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main(tiny_fit_args(path, files, "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+                                 "--export.out_dir=runs/g", "--prune.reconstruct=none", "--model.recovery=none",
+                                 "--export.gguf.dtype=f32"))
+    out = tmp_path / "runs" / "g"
+    report = json.loads((out / "report.json").read_text())
+    assert report["export_gguf"] == "runs/g/model.F32.gguf"  # like export_dir, as the option names it
+    assert any(e.startswith("llama.cpp") for e in report["engines_verified"])
+    assert "model.F32.gguf" in (out / "model" / "README.md").read_text()
+    reader, tensors = read(out / "model.F32.gguf")
+    base = cli.model.model
+    shapes = get_family(base).layer_shapes(base)
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == ("llama" if len(set(shapes)) == 1 else "deci")
+    assert tensors["token_embd.weight"].data.shape == tuple(base.get_input_embeddings().weight.shape)
+
+
+def test_fit_refuses_an_unaligned_quantized_gguf_before_any_work(tmp_path, capsys, monkeypatch):
+    from prunelight.cli import main
+    from prunelight.testing import tiny_fit_args, write_tiny_corpus
+
+    path, _ = make_tiny_gguf(tmp_path / "models" / "tiny.gguf", hidden_size=64, intermediate_size=96, head_dim=16)
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    assert main(tiny_fit_args(path, files, "--export.gguf.dtype=q8_0", "--export.out_dir=runs/g")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["prunelight: error: export.gguf.dtype=q8_0 needs every kept MLP width to be a multiple of its "
+                   "32-value block: prune.align_channels=1 is not allowed; use prune.align_channels: 32 (or a "
+                   "multiple of it)"]
+    assert not (tmp_path / "runs").exists()
