@@ -236,6 +236,31 @@ def _hf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
+def _add_metadata(w, config, layout: GgufLayout, shapes: list[LayerShape], dtype: str, name: str | None) -> None:
+    """The architecture's keys: sizes (per-layer arrays for a per-layer layout), rotary, norm epsilon, file type."""
+    import gguf
+
+    hd = get_family(config).head_dim(config)
+    theta, _ = _rope(config)
+    per_layer = (lambda f: [getattr(s, f) for s in shapes]) if layout.per_layer else (lambda f: getattr(shapes[0], f))
+    w.add_name(name or getattr(config, "_name_or_path", None) or "prunelight export")
+    w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[dtype]))
+    if block_size(dtype) > 1:
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(len(shapes))
+    w.add_feed_forward_length(per_layer("intermediate_size"))
+    w.add_head_count(per_layer("num_attention_heads"))
+    w.add_head_count_kv(per_layer("num_key_value_heads"))
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+
+
 def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer=None,
                source_gguf: str | Path | None = None, name: str | None = None) -> Path:
     """Write `model` (merged, no LoRA) as one GGUF file at `path` (write-then-rename) and return the path.
@@ -260,27 +285,9 @@ def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer
     if tokenizer is None and source_gguf is None:
         raise GgufExportError("export.gguf needs the model's tokenizer (or the GGUF file it came from)")
     path = Path(path)
-    arch = layout.arch
-    theta, _ = _rope(config)
-    per_layer = (lambda f: [getattr(s, f) for s in shapes]) if layout.per_layer else (lambda f: getattr(shapes[0], f))
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(str(tmp), arch)
-        w.add_name(name or getattr(config, "_name_or_path", None) or "prunelight export")
-        w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[dtype]))
-        if size > 1:
-            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(config.max_position_embeddings)
-        w.add_embedding_length(config.hidden_size)
-        w.add_block_count(len(shapes))
-        w.add_feed_forward_length(per_layer("intermediate_size"))
-        w.add_head_count(per_layer("num_attention_heads"))
-        w.add_head_count_kv(per_layer("num_key_value_heads"))
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-        w.add_rope_dimension_count(hd)
-        w.add_rope_freq_base(theta)
-        w.add_layer_norm_rms_eps(config.rms_norm_eps)
-        w.add_vocab_size(config.vocab_size)
+        w = gguf.GGUFWriter(str(tmp), layout.arch)
+        _add_metadata(w, config, layout, shapes, dtype, name)
         if source_gguf is not None:
             _copy_tokenizer(w, Path(source_gguf))
         else:
@@ -296,14 +303,14 @@ def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-    log.info("GGUF (%s, %s) written to %s", arch, dtype, path)
+    log.info("GGUF (%s, %s) written to %s", layout.arch, dtype, path)
     return path
 
 
 def gguf_engines(layout_arch: str) -> str:
     """The engine line of the report and model card for a GGUF this module wrote."""
-    return (f"{LLAMA_CPP} (GGUF, {layout_arch}: greedy output equal to transformers' on the file's weights "
-            "for F32/F16, perplexity within 1% for F16 and 3% for Q8_0)")
+    return (f"{LLAMA_CPP} (GGUF, {layout_arch}: greedy output equal to transformers' on the file's weights, F16 "
+            "up to near ties; perplexity within 1% for F16 and 3% for Q8_0)")
 
 
 # What scripts/llama_cpp_check.py ran the exports in (results/benchmarks/llama_cpp_check.md; CI's llama.cpp step).

@@ -173,3 +173,26 @@ def test_fit_refuses_an_unaligned_quantized_gguf_before_any_work(tmp_path, capsy
                    "32-value block: prune.align_channels=1 is not allowed; use prune.align_channels: 32 (or a "
                    "multiple of it)"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_removed_mlp_under_a_kept_attention_is_a_zero_mlp(tiny, tmp_path):
+    """llama.cpp's deci skips the rest of a layer with feed_forward_length 0 (its attention too): a zero MLP stands in."""
+    source, model = tiny
+    cut = copy.deepcopy(model)
+    apply_plan(cut, sized_plan(cut, [2, 0], [0, 0]))  # layer 0 keeps attention only; layer 1 keeps nothing
+    reader, tensors = read(write_gguf(cut, tmp_path / "m.gguf", "f32", source_gguf=source.gguf_path))
+    assert reader.fields["deci.feed_forward_length"].contents() == [32, 0]
+    assert reader.fields["deci.attention.head_count"].contents() == [4, 0]
+    assert not tensors["blk.0.ffn_down.weight"].data.any() and not tensors["blk.0.ffn_up.weight"].data.any()
+    assert not any(name.startswith("blk.1.") for name in tensors)
+
+
+def test_tokenizer_from_a_hugging_face_tokenizer(tiny, tmp_path):
+    """Without a source GGUF the vocabulary, merges and special ids come from the tokenizer itself."""
+    source, model = tiny
+    tokenizer = sources.load_tokenizer(source)
+    reader, _ = read(write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer=tokenizer))
+    src = gguf.GGUFReader(str(source.gguf_path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
+        assert reader.fields[key].contents() == src.fields[key].contents(), key
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
