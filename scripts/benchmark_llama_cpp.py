@@ -2,9 +2,10 @@
 
 Three phases over one work folder (GGUF files are kept there, so each phase can be rerun alone):
 
-    # 1. cuts + GGUF files (shared CPU): dense, the default cut at 20/30/50% (calibrated allocation, FLAP,
-    #    least-squares repair, channels aligned to 32, 16 x 128 calibration tokens of the shipped text), and
-    #    uniform 20/30% cuts (every layer 1024 / 768 of 1536 channels, FLAP-ranked); every GGUF type
+    # 1. cuts + GGUF files (shared CPU): dense and per-layer 20/30/50% cuts (prunelight's global allocation of FLAP
+    #    scores, channels aligned to 32, no repair, 16 x 128 calibration tokens of the shipped text) in every GGUF
+    #    type; uniform 20/30% cuts (every layer 1024 / 768 of 1536 channels, FLAP-ranked) in f16 and q8_0.
+    #    Files already in the work folder are kept.
     python scripts/benchmark_llama_cpp.py build --work /tmp/llama-bench
     # 2. perplexity in llama.cpp vs file size (WikiText-2 test windows): results/benchmarks/llama_cpp_size_quality.*
     python scripts/benchmark_llama_cpp.py quality --work /tmp/llama-bench --windows 8
@@ -40,9 +41,9 @@ from prunelight.surgery import apply_plan  # noqa: E402
 from prunelight.testing import sized_plan  # noqa: E402
 
 OUT = ROOT / "results" / "benchmarks"
-DEFAULT_CUTS = {"default20": 0.2, "default30": 0.3, "default50": 0.5}
+DEFAULT_CUTS = {"perlayer20": 0.2, "perlayer30": 0.3, "perlayer50": 0.5}
 UNIFORM_CUTS = {"uniform20": 1024, "uniform30": 768}  # MLP channels kept per layer (of 1536): 19.7% / 29.6%
-SPEED_MODELS = ("dense", "uniform20", "uniform30", "default20", "default30")
+SPEED_MODELS = ("dense", "uniform20", "uniform30", "perlayer20", "perlayer30")
 SPEED_TYPES = ("f16", "q8_0")
 
 
@@ -58,23 +59,26 @@ def build(work: Path) -> None:
     dense = sources.load_model(source, dtype=torch.float32).eval()
     tokenizer = sources.load_tokenizer(source)
     batches = calibration(tokenizer)
-    facts = {}
+    facts = json.loads((work / "facts.json").read_text()) if (work / "facts.json").is_file() else {}
     flap = run_cut(copy.deepcopy(dense), batches, PruneSettings(criterion="flap", allocation="global",
                                                                 reconstruct="none"), surgery=False).scores
     models = {"dense": lambda m: None}
     for name, ratio in DEFAULT_CUTS.items():
-        models[name] = lambda m, r=ratio: run_cut(m, batches, PruneSettings(ratio=r, align_channels=32,
-                                                                            importance_batches=1))
+        models[name] = lambda m, r=ratio: run_cut(m, batches, PruneSettings(
+            ratio=r, criterion="flap", allocation="global", reconstruct="none", align_channels=32))
     for name, chans in UNIFORM_CUTS.items():
         models[name] = lambda m, c=chans: apply_plan(m, sized_plan(
             m, [s.num_key_value_heads for s in get_family(m).layer_shapes(m)], [c] * len(m.model.layers), flap))
     for name, cut in models.items():
+        types = GGUF_TYPES if name in ("dense", *DEFAULT_CUTS) else SPEED_TYPES
+        if name in facts and all((work / f"{name}.{dtype}.gguf").is_file() for dtype in types):
+            continue
         model = copy.deepcopy(dense)
         cut(model)
         shapes = get_family(model).layer_shapes(model)
         facts[name] = {"params": sum(p.numel() for p in model.parameters()),
                        "shapes": [s.as_dict() for s in shapes]}
-        for dtype in GGUF_TYPES:
+        for dtype in types:
             path = write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source.gguf_path)
             facts[name].setdefault("file_bytes", {})[dtype] = path.stat().st_size
         print(name, facts[name]["params"], flush=True)
@@ -96,8 +100,8 @@ def quality(work: Path, windows: int, window_len: int) -> None:
                          "file_mb": path.stat().st_size / 2**20, "ppl": got["perplexity"]["ppl"]})
             print(json.dumps(rows[-1]), flush=True)
     meta = {"model": SMOLLM2, "text": WIKITEXT.name, "windows": windows, "window_len": window_len,
-            "engine": got["llama_cpp"], "cuts": "prunelight's default (calibrated, flap, least_squares, "
-            "align_channels 32) on 16 x 128 calibration tokens, no recovery"}
+            "engine": got["llama_cpp"], "cuts": "prunelight's global allocation of FLAP scores (align_channels 32, "
+            "no reconstruction, no recovery) on 16 x 128 calibration tokens of the shipped text"}
     (OUT / "llama_cpp_size_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# Pruned or quantized? SmolLM2 in llama.cpp", "",
              f"Perplexity in llama.cpp ({got['llama_cpp']['release']}, node-llama-cpp 3.21.1) over {windows} x "
@@ -177,7 +181,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("phase", choices=("build", "quality", "speed"))
     ap.add_argument("--work", required=True)
-    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window-len", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=256)
