@@ -169,7 +169,7 @@ def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
              f"runs after a warm-up run, NOT run alone (other jobs' load average 1-2 on the 2 cores: generation figures "
              f"are noisy); prompt {prompt_len} tokens in one batch, then {new_tokens} generated tokens. "
              "Ideal: dense parameters / the model's.", "",
-             f"`flock -x /tmp/prunelight-cpu.lock python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}`",
+             f"`python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}` (under `flock -x` when it can be had)",
              "", "| model | type | params | prompt tok/s | gen tok/s | prompt speed-up | gen speed-up | ideal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
