@@ -50,6 +50,27 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
         raise
 
 
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for a writer that opens files by name; on success it is renamed over `path`.
+
+    Readers see either the old file or the whole new one; on error the temporary file is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        _usual_mode(tmp, directory=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` so readers see either the old file or the whole new one."""
     with atomic_file(path) as f:

@@ -15,7 +15,7 @@ from torch import nn
 from prunelight.allocation import Allocation
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
-from prunelight.settings import PruneSettings
+from prunelight.settings import GgufSettings, PruneSettings
 
 if TYPE_CHECKING:  # the run plan imports these checks
     from prunelight.run_plan import RunFacts
@@ -104,3 +104,16 @@ def check_widths(settings: PruneSettings, config) -> None:
         if keep > have:
             raise ValueError(f"{option}={keep} is not allowed: the model's layers have {have} {what}; "
                              f"use at most {have}")
+
+
+def check_gguf_export(settings: PruneSettings, gguf: GgufSettings | None, config) -> None:
+    """`export.gguf` against the model's config and the cut's settings, before any weights load (one line each)."""
+    if gguf is None:
+        return
+    from prunelight.gguf_export import check_gguf_config, check_gguf_widths
+
+    check_gguf_config(config)
+    if settings.reconstruct == "bias":
+        raise ValueError("export.gguf is not allowed with prune.reconstruct=bias: it does not write the "
+                         "o_proj/down_proj biases the compensation adds; use reconstruct: least_squares or none")
+    check_gguf_widths(gguf.dtype, config, settings.align_channels)

@@ -24,6 +24,7 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
+from prunelight.checks import check_gguf_export
 from prunelight.run_plan import prepare_run
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation, refresh_allocation_choices
 from prunelight.sources import one_value
@@ -84,6 +85,7 @@ class PrunelightCLI(LightningCLI):
         self.job_callbacks[0].run_plan = prepare_run(
             self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
             run_facts(self.trainer, self.model))
+        check_gguf_export(self._get(self.config_init, "prune"), self._get(self.config_init, "export").gguf, config)
 
     def after_fit(self) -> None:
         handoff = self.model.cut_state.handoff

@@ -237,6 +237,16 @@ class ModelFamily:
     extra_model_types: tuple[str, ...] = ()
     """Other config.model_type values whose models are this family's (Llama: `nemotron-nas`, the served layout
     prunelight writes, reloaded as NemotronNasForCausalLM, a LlamaForCausalLM)."""
+    gguf_arch: str | None = None
+    """llama.cpp's architecture (GGUF `general.architecture`) for this family's layers when every layer has one
+    shape (`export.gguf`, prunelight/gguf_export.py); None: no GGUF export."""
+    gguf_per_layer_arch: str | None = None
+    """llama.cpp's architecture that reads head counts, KV heads and MLP widths per layer, 0 for a removed
+    sub-block (`deci` for Llama layers); None: per-layer widths cannot be written as GGUF."""
+    gguf_rope_permute: bool = False
+    """llama.cpp's graph for `gguf_arch` rotates interleaved pairs, so q/k rows are reordered from transformers'
+    half-split layout, per layer with its own head counts."""
+    final_norm_path: str = "model.norm"
     stock_fallback: str | None = None
     """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
     refuses them (LlamaConfig needs hidden_size % num_attention_heads == 0; MistralConfig takes any explicit
@@ -268,6 +278,13 @@ class ModelFamily:
         """The decoder layer list of a causal LM (peft wrappers are unwrapped)."""
         module = unwrap(model)
         for part in self.layers_path.split("."):
+            module = getattr(module, part)
+        return module
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm after the last decoder layer (before the LM head)."""
+        module = unwrap(model)
+        for part in self.final_norm_path.split("."):
             module = getattr(module, part)
         return module
 
@@ -491,10 +508,12 @@ LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
     attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
     vllm_served=("stock", "nemotron_nas"), extra_model_types=(modeling.NemotronNasConfig.model_type,),
+    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
     attn_bias="none", mlp_bias="none", nemotron_nas=True,  # with sliding_window: null (export checks)
+    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,  # llama.cpp states Mistral as llama
 )
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,

@@ -69,6 +69,7 @@ class RunRecord:
     export_dir: str | None = None
     export_format: str | None = None  # stock, nemotron_nas or prunelight: what config.json states
     engines_verified: list[str] = field(default_factory=list)  # engines the serving check runs this format in
+    export_gguf: str | None = None  # the GGUF file export.gguf wrote (llama.cpp)
     report_dir: str | None = None
     figures: dict[str, str] | None = None
     notes: list[str] = field(default_factory=list)

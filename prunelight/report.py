@@ -210,6 +210,8 @@ def render_markdown(report: dict) -> str:
         if report.get("engines_verified"):
             lines.append(f"Engines this format is verified in (prunelight's serving check, scripts/serve_check.py): "
                          f"{'; '.join(report['engines_verified'])}")
+    if report.get("export_gguf"):
+        lines += ["", f"GGUF (llama.cpp): `{report['export_gguf']}`"]
     return "\n".join(lines) + "\n"
 
 

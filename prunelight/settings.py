@@ -37,6 +37,9 @@ RateStrategy = Literal[RATE_STRATEGIES]  # type: ignore[valid-type]
 ImportanceScale = Literal[IMPORTANCE_SCALES]  # type: ignore[valid-type]
 BlockImportance = Literal[BLOCK_IMPORTANCE]  # type: ignore[valid-type]
 ExportFormat = Literal[EXPORT_FORMATS]  # type: ignore[valid-type]
+# GGUF types the `gguf` package writes (prunelight/gguf_export.py; Q4_K and the other k-quants it cannot quantize).
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+GgufType = Literal[GGUF_TYPES]  # type: ignore[valid-type]
 ReconstructionName = Literal[RECONSTRUCTIONS]  # type: ignore[valid-type]
 
 
@@ -336,6 +339,18 @@ class RunEvaluation:
 
 
 @dataclass
+class GgufSettings:
+    """`export.gguf`: also write the model as one GGUF file llama.cpp runs (<out_dir>/model.<TYPE>.gguf)."""
+
+    dtype: GgufType = "f16"
+    """Weight type of the matrices (norms stay f32). q8_0 / q4_0 quantize in 32-value blocks, so every width must be
+    a multiple of 32: set prune.align_channels to 32 (or a multiple)."""
+
+    def __post_init__(self) -> None:
+        _choice("export.gguf.dtype", self.dtype, GGUF_TYPES)
+
+
+@dataclass
 class ExportSettings:
     """Where the run writes its results (the `export:` section); the one place the output folder is named."""
 
@@ -353,8 +368,13 @@ class ExportSettings:
     check: README, "Deployable export"). nemotron_nas: the cut keeps MLP widths free per layer and one GQA group count in
     every layer that keeps attention, and the folder is the Nemotron-NAS layout vLLM serves as DeciLMForCausalLM
     (Llama-like families; README, "Serving")."""
+    gguf: GgufSettings | None = None
+    """Also write a GGUF file beside the model folder (`{dtype: f16}`; llama.cpp's `llama` architecture for one
+    shape in every layer, `deci` for per-layer widths), or null for none."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.gguf, dict):
+            self.gguf = GgufSettings(**self.gguf)
         if not str(self.out_dir).strip():
             raise _bad("export.out_dir", self.out_dir, "must be a folder path")
         _choice("export.format", self.format, EXPORT_FORMATS)

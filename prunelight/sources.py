@@ -172,12 +172,45 @@ def gguf_quantization(path: Path) -> str | None:
         return None
 
 
+def check_gguf_file(path: Path, option: str, value: str) -> None:
+    """Refuse, in one line, a GGUF file that is truncated or corrupt, or whose architecture transformers cannot read.
+
+    Its header and tensor table are read (no tensor data): every tensor's bytes must lie inside the file.
+    """
+    import gguf
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        size = path.stat().st_size
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as err:  # noqa: BLE001 - numpy, struct and the reader raise many kinds on a damaged file
+        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated or corrupt: "
+                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'})") from None
+    if end > size:
+        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated: its tensors need {end} bytes, "
+                              f"the file has {size})")
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    readable = sorted(a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer"))
+    heads = reader.fields.get(f"{arch}.attention.head_count")
+    per_layer = heads is not None and heads.types[0] == gguf.GGUFValueType.ARRAY
+    if arch not in GGUF_CONFIG_MAPPING or per_layer:
+        why = "its per-layer head counts" if per_layer else f"architecture {arch!r}"
+        raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader cannot read {why} (it reads one width for "
+                              f"every layer of {', '.join(readable)}); load the Hugging Face folder prunelight wrote "
+                              "beside it instead")
+
+
 @contextlib.contextmanager
 def _loading(source: ModelSource, option: str) -> Iterator[None]:
-    """Around a `from_pretrained` call: a missing `gguf` package or hub file becomes one line naming `option`."""
-    if source.is_gguf and importlib.util.find_spec("gguf") is None:
-        raise PrunelightError(f"{option}={source.value!r} is a GGUF file, which needs the `gguf` package: "
-                              "pip install 'gguf>=0.10,<1'")
+    """Around a `from_pretrained` call: a missing `gguf` package, a damaged or unreadable GGUF file or a hub
+    download failure becomes one line naming `option`."""
+    if source.is_gguf:
+        if importlib.util.find_spec("gguf") is None:
+            raise PrunelightError(f"{option}={source.value!r} is a GGUF file, which needs the `gguf` package: "
+                                  "pip install 'gguf>=0.10,<1'")
+        check_gguf_file(source.gguf_path, option, source.value)
     with hub_download(option, source.location):
         yield
 

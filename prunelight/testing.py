@@ -275,3 +275,27 @@ def make_tiny_gguf(path, seed: int = 0, quantization: str = "F32", **overrides):
     w.write_tensors_to_file()
     w.close()
     return path, model
+
+
+
+def sized_plan(model, keep_groups: list[int], keep_channels: list[int], scores=None):
+    """A hand-sized plan: per layer keep this many GQA groups and MLP channels (0 removes the sub-block).
+
+    The units kept are those with the highest `scores` (a criterion's `{"attn": [...], "mlp": [...]}` per-layer
+    scores), or without scores the largest summed |weight|: no data read, so checks cut real models in seconds.
+    """
+    from prunelight.families import KINDS, get_family
+    from prunelight.plan import LayerPlan, PrunePlan
+
+    family = get_family(model)
+    layers = []
+    for i, (owned, n_groups, n_chans) in enumerate(zip(family.owned_by_layer(model), keep_groups, keep_channels)):
+        score = {kind: None if scores is None else torch.as_tensor(scores[kind][i]).float() for kind in KINDS}
+        for t in owned if scores is None else []:
+            s = t.to_units(t.param.detach().abs())
+            score[t.kind] = s if score[t.kind] is None else score[t.kind] + s
+        kept = {kind: sorted(torch.argsort(score[kind], descending=True)[:n].tolist())
+                for kind, n in (("attn", n_groups), ("mlp", n_chans))}
+        layers.append(LayerPlan(kept["attn"], kept["mlp"]))
+    shapes = family.layer_shapes(model)
+    return PrunePlan(layers, [s.num_key_value_heads for s in shapes], [s.intermediate_size for s in shapes])

@@ -17,7 +17,8 @@ from prunelight.distributed import zero_stage
 from prunelight.evaluation.figures import write_figures
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import engines_verified, export_config, export_pretrained, format_of
-from prunelight.families import get_family
+from prunelight.families import get_family, unwrap
+from prunelight.gguf_export import gguf_engines, gguf_file_name, gguf_layout, write_gguf
 from prunelight.model_card import model_card
 from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.record import RecoveryRecord
@@ -79,6 +80,8 @@ class ExportCallback(L.Callback):
                     bar.update(1)
                 record.times_s["export"] = time.perf_counter() - t0
                 record.export_dir = str(self.out_dir / "model")
+            if self.settings.gguf is not None:
+                self._write_gguf(final, pl_module, record)
         self._measure_final(trainer, pl_module, sharded)
         if trainer.is_global_zero and record.export_dir:  # the card again, now with the recovered perplexity
             atomic_write_text(Path(record.export_dir) / "README.md", self._card(record, config))
@@ -90,6 +93,22 @@ class ExportCallback(L.Callback):
             self._print_end(record)
         if trainer.world_size > 1:
             trainer.strategy.barrier("prunelight-export")  # no rank leaves fit before the export is on disk
+
+    def _write_gguf(self, model, pl_module, record) -> None:
+        """`export.gguf`: the model as one GGUF file beside the folder (tokenizer keys from a GGUF source)."""
+        t0 = time.perf_counter()
+        source = pl_module.source() if pl_module.model_config is None else None
+        gguf_path = source.gguf_path if source is not None and source.is_gguf else None
+        path = self.out_dir / gguf_file_name(self.settings.gguf.dtype)
+        with progress(None, "export GGUF", total=1, unit="file") as bar:
+            write_gguf(model, path, self.settings.gguf.dtype, tokenizer=pl_module.load_tokenizer(),
+                       source_gguf=gguf_path, name=Path(pl_module.pretrained).stem)
+            bar.update(1)
+        record.times_s["export_gguf"] = time.perf_counter() - t0
+        record.export_gguf = str(path)
+        base = unwrap(model)
+        arch = gguf_layout(base, get_family(base).layer_shapes(base)).arch
+        record.engines_verified = [*(record.engines_verified or []), gguf_engines(arch)]
 
     def _card(self, record, config) -> str:
         """The model card of the exported folder from the record so far (see prunelight.model_card); `config` is

@@ -1,0 +1,204 @@
+"""SmolLM2 in llama.cpp: speed of pruned GGUF exports, and pruned-or-quantized at equal file size.
+
+Three phases over one work folder (GGUF files are kept there, so each phase can be rerun alone):
+
+    # 1. cuts + GGUF files (shared CPU): dense and per-layer 20/30/50% cuts (prunelight's global allocation of FLAP
+    #    scores, channels aligned to 32, no repair, 16 x 128 calibration tokens of the shipped text) in every GGUF
+    #    type; uniform 20/30% cuts (every layer 1024 / 768 of 1536 channels, FLAP-ranked) in f16 and q8_0.
+    #    Files already in the work folder are kept.
+    python scripts/benchmark_llama_cpp.py build --work /tmp/llama-bench
+    # 2. perplexity in llama.cpp vs file size (WikiText-2 test windows): results/benchmarks/llama_cpp_size_quality.*
+    python scripts/benchmark_llama_cpp.py quality --work /tmp/llama-bench --windows 8
+    # 3. speed, run alone: prompt and generation tokens/s, 2 threads, median of 5: results/benchmarks/llama_cpp_speed.*
+    flock -x /tmp/prunelight-cpu.lock python scripts/benchmark_llama_cpp.py speed --work /tmp/llama-bench
+
+Needs PRUNELIGHT_LLAMA_NODE (see prunelight/llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from llama_cpp_check import CALIBRATION, SMOLLM2, WIKITEXT, token_windows  # noqa: E402
+
+from prunelight import sources  # noqa: E402
+from prunelight.cut import run_cut  # noqa: E402
+from prunelight.families import get_family  # noqa: E402
+from prunelight.gguf_export import write_gguf  # noqa: E402
+from prunelight.llama_cpp import run_llama_cpp  # noqa: E402
+from prunelight.settings import GGUF_TYPES, PruneSettings  # noqa: E402
+from prunelight.surgery import apply_plan  # noqa: E402
+from prunelight.testing import sized_plan  # noqa: E402
+
+OUT = ROOT / "results" / "benchmarks"
+DEFAULT_CUTS = {"perlayer20": 0.2, "perlayer30": 0.3, "perlayer50": 0.5}
+UNIFORM_CUTS = {"uniform20": 1024, "uniform30": 768}  # MLP channels kept per layer (of 1536): 19.7% / 29.6%
+SPEED_MODELS = ("dense", "uniform20", "uniform30", "perlayer20", "perlayer30")
+SPEED_TYPES = ("f16", "q8_0")
+
+
+def calibration(tokenizer, samples: int = 16, seq_len: int = 128) -> list[torch.Tensor]:
+    """16 x 128 tokens of the shipped calibration text, in batches of 8."""
+    ids = tokenizer(CALIBRATION.read_text(encoding="utf-8")[: samples * seq_len * 8])["input_ids"]
+    return list(torch.tensor(ids[: samples * seq_len]).reshape(samples, seq_len).split(8))
+
+
+def build(work: Path) -> None:
+    """Cut SmolLM2 every way and write each model in every GGUF type; facts.json records parameters and shapes."""
+    source = sources.resolve_pretrained(SMOLLM2)
+    dense = sources.load_model(source, dtype=torch.float32).eval()
+    tokenizer = sources.load_tokenizer(source)
+    batches = calibration(tokenizer)
+    facts = json.loads((work / "facts.json").read_text()) if (work / "facts.json").is_file() else {}
+    flap = run_cut(copy.deepcopy(dense), batches, PruneSettings(criterion="flap", allocation="global",
+                                                                reconstruct="none"), surgery=False).scores
+    models = {"dense": lambda m: None}
+    for name, ratio in DEFAULT_CUTS.items():
+        models[name] = lambda m, r=ratio: run_cut(m, batches, PruneSettings(
+            ratio=r, criterion="flap", allocation="global", reconstruct="none", align_channels=32))
+    for name, chans in UNIFORM_CUTS.items():
+        models[name] = lambda m, c=chans: apply_plan(m, sized_plan(
+            m, [s.num_key_value_heads for s in get_family(m).layer_shapes(m)], [c] * len(m.model.layers), flap))
+    for name, cut in models.items():
+        types = GGUF_TYPES if name in ("dense", *DEFAULT_CUTS) else SPEED_TYPES
+        if name in facts and all((work / f"{name}.{dtype}.gguf").is_file() for dtype in types):
+            continue
+        model = copy.deepcopy(dense)
+        cut(model)
+        shapes = get_family(model).layer_shapes(model)
+        facts[name] = {"params": sum(p.numel() for p in model.parameters()),
+                       "shapes": [s.as_dict() for s in shapes]}
+        for dtype in types:
+            path = write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source.gguf_path)
+            facts[name].setdefault("file_bytes", {})[dtype] = path.stat().st_size
+        print(name, facts[name]["params"], flush=True)
+        (work / "facts.json").write_text(json.dumps(facts, indent=1))
+        del model
+
+
+def quality(work: Path, windows: int, window_len: int) -> None:
+    """Perplexity in llama.cpp of every file vs its size; JSON, Markdown and the PNG figure."""
+    facts = json.loads((work / "facts.json").read_text())
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(SMOLLM2))
+    wins = token_windows(tokenizer, WIKITEXT.read_text(encoding="utf-8"), windows, window_len)
+    rows = []
+    for name in ("dense", *DEFAULT_CUTS):
+        for dtype in GGUF_TYPES:
+            path = work / f"{name}.{dtype}.gguf"
+            got = run_llama_cpp({"model": str(path), "threads": 2, "perplexity": {"windows": wins}})
+            rows.append({"model": name, "type": dtype, "params": facts[name]["params"],
+                         "file_mb": path.stat().st_size / 2**20, "ppl": got["perplexity"]["ppl"]})
+            print(json.dumps(rows[-1]), flush=True)
+    meta = {"model": SMOLLM2, "text": WIKITEXT.name, "windows": windows, "window_len": window_len,
+            "engine": got["llama_cpp"], "cuts": "prunelight's global allocation of FLAP scores (align_channels 32, "
+            "no reconstruction, no recovery) on 16 x 128 calibration tokens of the shipped text"}
+    (OUT / "llama_cpp_size_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# Pruned or quantized? SmolLM2 in llama.cpp", "",
+             f"Perplexity in llama.cpp ({got['llama_cpp']['release']}, node-llama-cpp 3.21.1) over {windows} x "
+             f"{window_len} tokens of WikiText-2 test vs GGUF file size. Cuts: {meta['cuts']}.", "",
+             "`python scripts/benchmark_llama_cpp.py build --work W && python scripts/benchmark_llama_cpp.py "
+             f"quality --work W --windows {windows}`", "",
+             "| model | params | " + " | ".join(GGUF_TYPES) + " |", "|---|---|" + "---|" * len(GGUF_TYPES)]
+    for name in ("dense", *DEFAULT_CUTS):
+        cells = [f"{r['ppl']:.2f} ({r['file_mb']:.0f} MB)" for r in rows if r["model"] == name]
+        lines.append(f"| {name} | {facts[name]['params'] / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    (OUT / "llama_cpp_size_quality.md").write_text("\n".join(lines) + "\n")
+    figure(rows, OUT / "llama_cpp_size_quality.png")
+
+
+def figure(rows: list[dict], path: Path) -> None:
+    """Perplexity vs file size: one line per model (its types), one marker per type."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = dict(zip(GGUF_TYPES, "osD^v"))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["file_mb"])
+        line, = ax.plot([r["file_mb"] for r in mine], [r["ppl"] for r in mine], "-", alpha=0.6, label=name)
+        for r in mine:
+            ax.plot(r["file_mb"], r["ppl"], markers[r["type"]], color=line.get_color())
+    for dtype, m in markers.items():
+        ax.plot([], [], m, color="gray", label=dtype)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("GGUF file size (MB)")
+    ax.set_ylabel("perplexity in llama.cpp (WikiText-2 test)")
+    ax.set_title("SmolLM2-135M: pruned vs quantized at equal file size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
+    """Prompt and generation tokens/s in llama.cpp (2 threads, median of `runs`), speed-up vs the ideal ratio."""
+    facts = json.loads((work / "facts.json").read_text())
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(SMOLLM2))
+    prompt = token_windows(tokenizer, WIKITEXT.read_text(encoding="utf-8"), 1, prompt_len)[0]
+    rows = []
+    for dtype in SPEED_TYPES:
+        for name in SPEED_MODELS:
+            got = run_llama_cpp({"model": str(work / f"{name}.{dtype}.gguf"), "threads": 2,
+                                 "speed": {"prompt": prompt, "new_tokens": new_tokens, "runs": runs}})
+            rows.append({"model": name, "type": dtype, "params": facts[name]["params"], **got["speed"]})
+            print(json.dumps(rows[-1]), flush=True)
+    for r in rows:
+        base = next(d for d in rows if d["model"] == "dense" and d["type"] == r["type"])
+        r["ideal"] = base["params"] / r["params"]
+        r["prompt_speedup"] = r["prompt_tps"] / base["prompt_tps"]
+        r["gen_speedup"] = r["gen_tps"] / base["gen_tps"]
+    meta = {"model": SMOLLM2, "threads": 2, "runs": runs, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+            "engine": got["llama_cpp"], "conditions": "CPU, 2 threads, median of the runs after one warm-up run; "
+            "under a shared lock (the exclusive one could not be had: other jobs held it), load average 1-2"}
+    (OUT / "llama_cpp_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# SmolLM2 in llama.cpp: speed of pruned exports", "",
+             f"llama.cpp {got['llama_cpp']['release']} (node-llama-cpp 3.21.1), CPU, 2 threads, median of {runs} "
+             f"runs after a warm-up run, NOT run alone (other jobs' load average 1-2 on the 2 cores: generation figures "
+             f"are noisy); prompt {prompt_len} tokens in one batch, then {new_tokens} generated tokens. "
+             "Ideal: dense parameters / the model's.", "",
+             f"`python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}` (under `flock -x` when it can be had)",
+             "", "| model | type | params | prompt tok/s | gen tok/s | prompt speed-up | gen speed-up | ideal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['type']} | {r['params'] / 1e6:.1f}M | {r['prompt_tps']:.0f} | "
+                     f"{r['gen_tps']:.1f} | {r['prompt_speedup']:.2f}x | {r['gen_speedup']:.2f}x | {r['ideal']:.2f}x |")
+    (OUT / "llama_cpp_speed.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    """Run one phase."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("phase", choices=("build", "quality", "speed"))
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--window-len", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.phase == "build":
+        build(work)
+    elif args.phase == "quality":
+        quality(work, args.windows, args.window_len)
+    else:
+        speed(work, args.runs, args.prompt_len, args.new_tokens)
+
+
+if __name__ == "__main__":
+    main()
