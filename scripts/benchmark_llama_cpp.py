@@ -162,14 +162,14 @@ def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
         r["gen_speedup"] = r["gen_tps"] / base["gen_tps"]
     meta = {"model": SMOLLM2, "threads": 2, "runs": runs, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
             "engine": got["llama_cpp"], "conditions": "CPU, 2 threads, median of the runs after one warm-up run; "
-            "under a shared lock (the exclusive one could not be had: other jobs held it), load average 1-2"}
+            f"load average {load:.2f} before the first run; {time.strftime('%Y-%m-%d', time.gmtime())}"}
     (OUT / "llama_cpp_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# SmolLM2 in llama.cpp: speed of pruned exports", "",
              f"llama.cpp {got['llama_cpp']['release']} (node-llama-cpp 3.21.1), CPU, 2 threads, median of {runs} "
-             f"runs after a warm-up run, NOT run alone (other jobs' load average 1-2 on the 2 cores: generation figures "
-             f"are noisy); prompt {prompt_len} tokens in one batch, then {new_tokens} generated tokens. "
+             f"runs after a warm-up run, load average {load:.2f} before the first run, "
+             f"{time.strftime('%Y-%m-%d', time.gmtime())}; prompt {prompt_len} tokens in one batch, then {new_tokens} generated tokens. "
              "Ideal: dense parameters / the model's.", "",
-             f"`python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}` (under `flock -x` when it can be had)",
+             f"`python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}` (run it alone: other processes on the cores distort it)",
              "", "| model | type | params | prompt tok/s | gen tok/s | prompt speed-up | gen speed-up | ideal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
