@@ -21,7 +21,6 @@ each phase's wall time (scoring, database, search, cut, evaluation) and the sear
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -31,15 +30,11 @@ from pathlib import Path
 
 import torch
 
+import prunelight
+from prunelight import bench
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 ROWS = ("stock", "search", "search_obs", "default")
-
-
-def _load(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _params(model) -> int:
@@ -47,59 +42,47 @@ def _params(model) -> int:
 
 
 def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path, stock_removed) -> dict:
-    """Cut a copy of `model` one way, evaluate it; returns the row (and keeps the stock removal for the seeds)."""
-    from prunelight.allocation import Shape, make_budget
-    from prunelight.allocation.budget import build_plan, plan_meta
-    from prunelight.allocation.search import SearchOptions, run_search
-    from prunelight.calibration import run_calibration
-    from prunelight.cut import run_cut
-    from prunelight.evaluation.perplexity import evaluate_perplexity
-    from prunelight.importance import build_criterion
-    from prunelight.reconstruct import cut_and_reconstruct
-    from prunelight.settings import PruneSettings
-
+    """Cut a copy of `model` one way (`prunelight.prune`), evaluate it; returns the row (and keeps the stock
+    removal for the seeds)."""
     row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
     t0 = time.perf_counter()
-    pruned = copy.deepcopy(model)
     if kind in ("stock", "default"):
         opts = {"criterion": "flap", "ratio": ratio, "reconstruct": "least_squares"}
         if kind == "stock":
             opts.update(allocation="global", attn_mlp_split="auto")
         else:
             opts.update(allocation="calibrated")
-        settings = PruneSettings(**opts)
-        result = run_cut(pruned, calib, settings, shape=Shape.UNIFORM if kind == "stock" else Shape.FREE)
-        plan, row["times_s"] = result.plan, {"cut": time.perf_counter() - t0}
+        pruned, plan, seconds = bench.cut_copy(model, prunelight.PruneSettings(**opts), calib,
+                                               export_format="stock" if kind == "stock" else "auto")
+        row["times_s"] = {"cut": seconds}
         if kind == "stock":
             stock_removed[ratio] = {
                 "attn": [set(range(n)) - set(lp.keep_groups) for n, lp in zip(plan.num_groups, plan.layers)],
                 "mlp": [set(range(n)) - set(lp.keep_channels) for n, lp in zip(plan.num_channels, plan.layers)]}
     else:
         order = "obs" if kind == "search_obs" else "criterion"
-        settings = PruneSettings(criterion="flap", ratio=ratio, allocation="global",
-                                 reconstruct="obs" if order == "obs" else "least_squares")
+        seeds = ({"stock": {k: [sorted(s) for s in v] for k, v in stock_removed[ratio].items()}}
+                 if ratio in stock_removed else {})
+        search_args = {"generations": args.generations, "offspring": args.offspring, "order": order,
+                       "stages": list(args.stages), "survivors": list(args.survivors), "mlp_levels": args.mlp_levels,
+                       "seeds": seeds, "state_dir": str(state_dir)}  # the database serves every ratio
+        settings = prunelight.PruneSettings(criterion="flap", ratio=ratio, allocation="search",
+                                            allocation_args=search_args,
+                                            reconstruct="obs" if order == "obs" else "least_squares")
         ts = time.perf_counter()
-        scores = run_calibration(model, calib, build_criterion("flap"))
+        scores = prunelight.score(model, settings, calib)
         t_score = time.perf_counter() - ts
-        budget = make_budget(model, settings)
-        options = SearchOptions(generations=args.generations, offspring=args.offspring, order=order,
-                                stages=tuple(args.stages), survivors=tuple(args.survivors),
-                                mlp_levels=args.mlp_levels)
-        seeds = {"stock": stock_removed[ratio]} if ratio in stock_removed else {}
-        removed, res, _ = run_search(model, calib, budget, scores, settings, options,
-                                     state_dir, plans=seeds)  # the database serves every ratio
-        plan = build_plan(budget, removed)
-        plan.meta = {"allocation": "search", "search": res.as_dict(), **plan_meta(budget, plan)}
-        tc = time.perf_counter()
-        row["reconstruction"] = cut_and_reconstruct(pruned, plan, calib, settings)["rel_err_after_mean"]
-        row["times_s"] = {"scoring": t_score, **res.times_s, "cut": time.perf_counter() - tc}
-        row["search"] = {k: v for k, v in res.as_dict().items() if k != "levels"}
-        row["levels"] = res.levels
+        pruned, plan, seconds = bench.cut_copy(model, settings, calib, scores=scores)
+        res = plan.meta["search"]
+        row["times_s"] = {"scoring": t_score, **res["times_s"],
+                          "cut": seconds - sum(res["times_s"].values())}  # the cut after database and search
+        row["search"] = {k: v for k, v in res.items() if k != "levels"}
+        row["levels"] = res.get("levels")
     row["budget_error_params"] = plan.meta.get("budget_error_params")
     row["kept_groups"] = [len(lp.keep_groups) for lp in plan.layers]
     row["kept_channels"] = [len(lp.keep_channels) for lp in plan.layers]
     te = time.perf_counter()
-    ppl = evaluate_perplexity(pruned, evals)
+    ppl = bench.perplexity(pruned, evals)
     row["times_s"]["eval"] = time.perf_counter() - te
     row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=_params(pruned),
                removed=1 - _params(pruned) / _params(model), seconds=time.perf_counter() - t0)
@@ -139,10 +122,6 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the rows, append to the JSON, rewrite the Markdown."""
-    from benchmark_methods import prepare_data
-
-    from prunelight.atomic import atomic_write_json, atomic_write_text
-    from prunelight.evaluation.perplexity import evaluate_perplexity
     from prunelight.testing import shared_dir
 
     shared = shared_dir()
@@ -177,25 +156,20 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out_dir)
     json_path = out_dir / f"{args.name}.json"
     previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
-    with tempfile.TemporaryDirectory(prefix="prunelight-search-") as tmp:
-        data_file = Path(tmp) / "data.pt"
-        eval_path = Path(tmp) / "test.txt"
-        eval_path.write_text(Path(args.eval).read_text(encoding="utf-8")[: args.eval_chars], encoding="utf-8")
-        ns = argparse.Namespace(**{**vars(args), "eval": str(eval_path), "eval_tokens": None})
-        prepare_data(ns, data_file)
-        data = torch.load(data_file)
-    calib = list(torch.split(data["calib"], args.batch_size))
-    evals = list(torch.split(data["eval"], args.eval_batch_size))
-    model = _load(args.model)
+    data = bench.token_data(args.model, args.calibration, args.eval, samples=args.samples, seq_len=args.seq_len,
+                            seed=args.seed, eval_chars=args.eval_chars)
+    calib = data.calibration_batches(args.batch_size)
+    evals = data.eval_batches(args.eval_batch_size)
+    model = bench.load_model(args.model)
     meta = previous.get("meta")
     if meta is None:
-        dense = evaluate_perplexity(model, evals)
+        dense = bench.perplexity(model, evals)
         import platform
 
         meta = {"model": args.model, "model_name": Path(args.model).name, "dense_ppl": dense["ppl"],
                 "eval_tokens": dense["tokens"],
                 "eval": f"{Path(args.eval).name}, first {args.eval_chars:,} characters, {args.seq_len}-token windows",
-                "calibration": f"{data['calib'].shape[0]} x {args.seq_len} tokens of {Path(args.calibration).name}",
+                "calibration": f"{data.calib.shape[0]} x {args.seq_len} tokens of {Path(args.calibration).name}",
                 "threads": torch.get_num_threads(),
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs",
                 "torch": torch.__version__}
@@ -237,9 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             x = (row.get("ppl") or 0) / meta["dense_ppl"]
             print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{x:.3f} times {row.get('times_s')}",
                   flush=True)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(json_path, {"meta": meta, "rows": rows})
-            atomic_write_text(out_dir / f"{args.name}.md", markdown(meta, rows))
+            bench.write_results(out_dir / args.name, {"meta": meta, "rows": rows}, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,12 @@ class SearchOptions:
     """Removal order inside a sub-block: "criterion" (the criterion's scores) or "obs" (structured OBS's greedy)."""
     seed: int = 0
     """Random seed of the mutations."""
+    seeds: dict[str, Any] = field(default_factory=dict)
+    """More plans for the first generation besides uniform and global: name -> the units each sub-block removes,
+    {"attn": [[group, ...] per layer], "mlp": [[channel, ...] per layer]} (e.g. a stock cut's)."""
+    state_dir: str | None = None
+    """A folder for the levels database and the resumable search state (None: the run's output folder; the
+    database is kept per model, criterion, order and calibration size, so it serves every ratio)."""
 
     def __post_init__(self) -> None:
         for name in ("generations", "offspring", "moves", "mlp_levels"):
@@ -86,6 +92,18 @@ class SearchOptions:
                              "stages must not shrink and survivors must not grow")
         if self.order not in ("criterion", "obs"):
             raise ValueError(f"prune.allocation_args.order={self.order!r} is not allowed: use criterion or obs")
+        seeds = dict(self.seeds or {})
+        for name, units in seeds.items():
+            if not isinstance(units, dict) or set(units) != set(KINDS) or not all(
+                    isinstance(v, (list, tuple)) for v in units.values()):
+                raise ValueError(f"prune.allocation_args.seeds.{name} is not allowed: a dict of the removed units "
+                                 "per layer, {attn: [[group, ...], ...], mlp: [[channel, ...], ...]}")
+        object.__setattr__(self, "seeds", seeds)
+
+    def seed_plans(self) -> dict[str, Removed]:
+        """`seeds` as removals (sets of units per sub-block)."""
+        return {name: {k: [set(int(u) for u in layer) for layer in units[k]] for k in KINDS}
+                for name, units in self.seeds.items()}
 
 
 # --- the space of level assignments --------------------------------------------------------------------------------
@@ -412,8 +430,9 @@ def measure_search(inp) -> SearchMeasured:
         raise ValueError("prune.allocation='search' runs on one process (its database and search are not summed "
                          "over ranks yet); use one device, or prune.allocation: calibrated")
     options = inp.options if inp.options is not None else SearchOptions()
+    state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
     removed, result, _ = run_search(inp.model, inp.batches, inp.budget, inp.scores, inp.settings, options,
-                                    inp.state_dir)
+                                    state_dir, plans=options.seed_plans())
     return SearchMeasured(removed, result)
 
 
