@@ -50,10 +50,36 @@ def set_threads(threads: int | None = None) -> int:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                **kwargs: Any) -> nn.Module:
-    """A Hugging Face causal LM folder loaded in `dtype` on `device`, in eval mode (`kwargs` to from_pretrained)."""
+    """A Hugging Face causal LM folder loaded in `dtype` on `device`, in eval mode (`kwargs` to from_pretrained).
+
+    A GGUF file (a path or `pkg://` resource ending in .gguf) loads as `model.pretrained` does: dequantized, plain.
+    """
+    if is_gguf(path):
+        from prunelight import sources
+
+        return sources.load_model(sources.resolve_pretrained(str(path)), dtype=dtype, **kwargs).to(device).eval()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs).to(device).eval()
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (a path or `pkg://` resource ending in .gguf)."""
+    return str(path).endswith(".gguf")
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file on disk that `path` names (a `pkg://` resource resolved), or None for a folder."""
+    from prunelight import sources
+
+    return sources.resolve_pretrained(str(path)).gguf_path if is_gguf(path) else None
+
+
+def load_tokenizer(path: str | Path, **kwargs: Any):
+    """The tokenizer of a model folder, hub id or GGUF file (a GGUF file carries its own)."""
+    from prunelight import sources
+
+    return sources.load_tokenizer(sources.resolve_pretrained(str(path)), **kwargs)
 
 
 @dataclass

