@@ -3,7 +3,8 @@
 Three phases over one work folder (GGUF files are kept there, so each phase can be rerun alone):
 
     # 1. cuts + GGUF files (shared CPU): dense and per-layer 20/30/50% cuts (prunelight's global allocation of FLAP
-    #    scores, channels aligned to 32, no repair, 16 x 128 calibration tokens of the shipped text) in every GGUF
+    #    scores, channels aligned to 32, the run's least-squares repair, 64 x 128 calibration tokens of the shipped
+    #    text) in every GGUF
     #    type; uniform 20/30% cuts (every layer 1024 / 768 of 1536 channels, FLAP-ranked) in f16 and q8_0.
     #    Files already in the work folder are kept.
     python scripts/benchmark_llama_cpp.py build --work /tmp/llama-bench
@@ -43,6 +44,9 @@ DEFAULT_CUTS = {"perlayer20": 0.2, "perlayer30": 0.3, "perlayer50": 0.5}
 UNIFORM_CUTS = {"uniform20": 1024, "uniform30": 768}  # MLP channels kept per layer (of 1536): 19.7% / 29.6%
 SPEED_MODELS = ("dense", "uniform20", "uniform30", "perlayer20", "perlayer30")
 SPEED_TYPES = ("f16", "q8_0")
+CALIBRATION_SAMPLES = 64
+CUTS = (f"prunelight's global allocation of FLAP scores (align_channels 32, the run's least-squares repair, no "
+        f"recovery) on {CALIBRATION_SAMPLES} x 128 calibration tokens of the shipped text")
 
 
 def build(work: Path) -> None:
@@ -50,14 +54,17 @@ def build(work: Path) -> None:
     dense = bench.load_model(SMOLLM2, dtype=torch.float32)
     tokenizer = bench.load_tokenizer(SMOLLM2)
     source_gguf = bench.gguf_file(SMOLLM2)
-    batches = calibration_batches(tokenizer)
+    batches = calibration_batches(tokenizer, samples=CALIBRATION_SAMPLES)
     facts = json.loads((work / "facts.json").read_text()) if (work / "facts.json").is_file() else {}
+    if facts.get("cuts") not in (None, CUTS):  # files cut another way: start again
+        facts = {}
+    facts["cuts"] = CUTS
     flap = prunelight.score(dense, PruneSettings(criterion="flap", allocation="global", reconstruct="none"),
                             batches).unit_scores
     models = {"dense": lambda m: None}
     for name, ratio in DEFAULT_CUTS.items():
         models[name] = lambda m, r=ratio: prunelight.prune(m, PruneSettings(
-            ratio=r, criterion="flap", allocation="global", reconstruct="none", align_channels=32), batches)
+            ratio=r, criterion="flap", allocation="global", reconstruct="least_squares", align_channels=32), batches)
     for name, chans in UNIFORM_CUTS.items():
         models[name] = lambda m, c=chans: prunelight.apply_plan(m, sized_plan(
             m, [s.num_key_value_heads for s in get_family(m).layer_shapes(m)], [c] * len(m.model.layers), flap))
@@ -92,8 +99,7 @@ def quality(work: Path, windows: int, window_len: int) -> None:
                          "file_mb": path.stat().st_size / 2**20, "ppl": got["perplexity"]["ppl"]})
             print(json.dumps(rows[-1]), flush=True)
     meta = {"model": SMOLLM2, "text": WIKITEXT.name, "windows": windows, "window_len": window_len,
-            "engine": got["llama_cpp"], "cuts": "prunelight's global allocation of FLAP scores (align_channels 32, "
-            "no reconstruction, no recovery) on 16 x 128 calibration tokens of the shipped text"}
+            "engine": got["llama_cpp"], "cuts": facts.get("cuts", CUTS)}
     (OUT / "llama_cpp_size_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# Pruned or quantized? SmolLM2 in llama.cpp", "",
              f"Perplexity in llama.cpp ({got['llama_cpp']['release']}, node-llama-cpp 3.21.1) over {windows} x "
