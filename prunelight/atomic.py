@@ -35,19 +35,9 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
 
     Readers see either the old file or the whole new one; on error the temporary file is removed.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+    with atomic_path(path) as tmp:  # atomic_path fsyncs and renames
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        _usual_mode(tmp, directory=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from prunelight.surgery import apply_plan, mask_units
 from prunelight.testing import VARIANTS, tiny_config, tiny_fit_args, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-NEW = ["qwen3", "gemma2", "gemma3_text", "phi3", "llama_tied"]  # the variants this issue added
+NEW = ["qwen3", "gemma2", "gemma3_text", "phi3", "llama_tied"]  # the families added after llama, mistral, qwen2
 LAYERS, GROUPS, CHANNELS = 4, 2, 96
 IDS = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))  # longer than Gemma's window 4
 
