@@ -518,6 +518,9 @@ MISTRAL = ModelFamily(
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,
     attn_bias="qkv", mlp_bias="none",
+    # llama.cpp's own qwen2 architecture sizes attn_q as hidden x hidden (every query head kept), so a cut Qwen2 is
+    # written as llama / deci, whose graphs add optional q/k/v biases (the same model: Qwen2's rotary is Llama's)
+    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,
 )
 
 # Qwen3 and Gemma 3: q_norm / k_norm are one RMSNorm over head_dim shared by every head: nothing to slice.

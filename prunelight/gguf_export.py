@@ -17,6 +17,7 @@ refuses that from the config before any weights load.
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,9 +111,9 @@ def check_gguf_config(config) -> None:
         raise GgufExportError(f"export.gguf cannot state sliding_window={config.sliding_window} in llama.cpp's "
                               f"{family.gguf_arch} architecture; export a model without a sliding window")
     _theta, kind = _rope(config)
-    if kind not in (None, "default"):
-        raise GgufExportError(f"export.gguf does not write rope scaling of type {kind!r}; it covers models with "
-                              "plain rotary embeddings")
+    if kind not in (None, "default", "llama3") or (kind == "llama3" and family.gguf_arch != "llama"):
+        raise GgufExportError(f"export.gguf does not write rope scaling of type {kind!r} for {family.name}; it "
+                              "covers plain rotary embeddings and Llama-3 scaling (rope_type llama3) of Llama layers")
 
 
 def gguf_layout(model_or_config, shapes: list[LayerShape]) -> GgufLayout:
@@ -132,13 +133,38 @@ def gguf_layout(model_or_config, shapes: list[LayerShape]) -> GgufLayout:
     return GgufLayout(family.gguf_per_layer_arch, shapes, True)
 
 
+def _rope_params(config) -> dict:
+    """The rotary parameters (theta, scaling type and its numbers) whichever way the transformers version states
+    them (`rope_parameters`, or `rope_scaling` with `rope_theta`)."""
+    return {**(getattr(config, "rope_scaling", None) or {}), **(getattr(config, "rope_parameters", None) or {})}
+
+
 def _rope(config) -> tuple[float, str | None]:
     """(rope theta, rope scaling type or None) whichever way the transformers version states them."""
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
+    params = _rope_params(config)
     theta = params.get("rope_theta", getattr(config, "rope_theta", None)) or 10000.0
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    kind = params.get("rope_type") or params.get("type")
     return float(theta), kind
+
+
+def llama3_rope_freqs(config) -> torch.Tensor | None:
+    """llama.cpp's `rope_freqs.weight` for Llama-3 rope scaling (None for other rotary embeddings): per frequency
+    of head_dim / 2, the divisor of the rotary frequency (1 for short wavelengths, `factor` for long ones, smoothly
+    between), as transformers' llama3 rotary embedding scales its inverse frequencies."""
+    theta, kind = _rope(config)
+    if kind != "llama3":
+        return None
+    p = _rope_params(config)
+    dim = get_family(config).head_dim(config)
+    factor, low, high = float(p["factor"]), float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
+    old = float(p.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    divisor = 1 / ((1 - smooth) / factor + smooth)
+    divisor = torch.where(wavelen < old / high, torch.ones_like(divisor), divisor)
+    divisor = torch.where(wavelen > old / low, torch.full_like(divisor, factor), divisor)
+    return divisor.to(torch.float32)
 
 
 def _rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -209,7 +235,11 @@ def _copy_tokenizer(writer, source_gguf: Path) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
-def _hf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
+# llama.cpp's pre-tokenizer (`tokenizer.ggml.pre`) for a family's byte-level BPE tokenizer; `default` otherwise
+_PRE_TOKENIZERS = {"qwen2": "qwen2"}
+
+
+def _hf_tokenizer(writer, tokenizer, vocab_size: int, pre: str = "default") -> None:
     """The vocabulary, merges, special ids and chat template of a byte-level BPE Hugging Face tokenizer."""
     import gguf
     from gguf.vocab import BpeVocab, SpecialVocab
@@ -230,7 +260,7 @@ def _hf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
         types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens[:vocab_size])
     writer.add_token_types(types[:vocab_size])
     special.add_to_gguf(writer, quiet=True)
@@ -291,8 +321,11 @@ def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", tokenizer
         if source_gguf is not None:
             _copy_tokenizer(w, Path(source_gguf))
         else:
-            _hf_tokenizer(w, tokenizer, config.vocab_size)
+            _hf_tokenizer(w, tokenizer, config.vocab_size, _PRE_TOKENIZERS.get(family.name, "default"))
         _write_tensor(w, "token_embd.weight", base.get_input_embeddings().weight, dtype)
+        freqs = llama3_rope_freqs(config)
+        if freqs is not None:  # llama.cpp divides each rotary frequency by its entry (Llama-3 scaling)
+            _write_tensor(w, "rope_freqs.weight", freqs, dtype)
         for i, (layer, shape) in enumerate(zip(family.layers(base), shapes)):
             for key, t in _layer_tensors(family, layer, shape, config.hidden_size).items():
                 _write_tensor(w, f"blk.{i}.{key}", t, dtype)

@@ -200,6 +200,14 @@ def check_gguf_file(path: Path, option: str, value: str) -> None:
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader cannot read {why} (it reads one width for "
                               f"every layer of {', '.join(readable)}); load the Hugging Face folder prunelight wrote "
                               "beside it instead")
+    if arch == "llama" and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
+        raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader drops its q/k/v biases (a Qwen2 or "
+                              "biased Llama written as llama); load the Hugging Face folder (or checkpoint) it was "
+                              "written from instead")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader ignores its Llama-3 rope scaling "
+                              "(rope_freqs.weight) and would run it unscaled; load the Hugging Face folder (or "
+                              "checkpoint) it was written from instead")
 
 
 @contextlib.contextmanager

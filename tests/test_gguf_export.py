@@ -16,7 +16,7 @@ from prunelight.families import get_family
 from prunelight.gguf_export import GgufExportError, check_gguf_widths, write_gguf
 from prunelight.settings import ExportSettings, PruneSettings, SettingsError
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_gguf, sized_plan, tiny_config
+from prunelight.testing import make_tiny_gguf, sized_plan, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +114,14 @@ def test_block_size_refusals_from_the_config_alone():
         check_gguf_widths("q8_0", tiny_config("llama", hidden_size=48, head_dim=12), align_channels=32)
     with pytest.raises(ValueError, match="prune.reconstruct=bias"):
         check_gguf_export(PruneSettings(reconstruct="bias"), ExportSettings(gguf={"dtype": "f16"}).gguf, config)
-    with pytest.raises(GgufExportError, match="cannot write model_type 'qwen2'"):
-        check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config("qwen2"))
+    with pytest.raises(GgufExportError, match="cannot write model_type 'qwen3'"):
+        check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config("qwen3"))
+    check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config("qwen2"))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(GgufExportError, match="rope scaling of type 'yarn' for llama") as err:
+        check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf,
+                          tiny_config("llama", rope_scaling=yarn))
+    assert "\n" not in str(err.value)
 
 
 def test_write_refuses_a_width_the_block_does_not_divide(tiny, tmp_path):
@@ -196,3 +202,50 @@ def test_tokenizer_from_a_hugging_face_tokenizer(tiny, tmp_path):
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
         assert reader.fields[key].contents() == src.fields[key].contents(), key
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_scaling_writes_rope_freqs(tiny, tmp_path):
+    """Llama-3 rope scaling: `rope_freqs.weight` (F32, head_dim / 2) divides each rotary frequency as transformers
+    scales its inverse frequencies; such a file is not read back (transformers' GGUF loader ignores the tensor)."""
+    source, _ = tiny
+    model = tiny_model("llama", vocab_size=262, max_position_embeddings=128, rope_scaling=dict(LLAMA3_ROPE))
+    path = write_gguf(model, tmp_path / "m.gguf", "q8_0", tokenizer=sources.load_tokenizer(source))
+    reader, tensors = read(path)
+    freqs = tensors["rope_freqs.weight"]
+    assert freqs.tensor_type == gguf.GGMLQuantizationType.F32 and freqs.data.shape == (8,)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    assert torch.allclose(torch.from_numpy(freqs.data.copy()).double(),
+                          plain / model.model.rotary_emb.inv_freq.double(), rtol=1e-5)
+    assert freqs.data[0] == 1.0 and freqs.data[-1] == 8.0 and 1.0 < freqs.data[1] < 8.0  # all three bands
+    with pytest.raises(PrunelightError, match="ignores its Llama-3 rope scaling") as err:
+        sources.load_config(sources.resolve_pretrained(str(path)))
+    assert "\n" not in str(err.value)
+
+
+def test_qwen2_is_llama_with_qkv_biases_uniform_and_deci_per_layer(tiny, tmp_path):
+    """Qwen2 is written as llama.cpp's llama (deci per layer): q/k/v biases, q/k rows and biases in llama.cpp's
+    interleaved rotary order (llama.cpp's qwen2 architecture needs all query heads: attn_q is hidden x hidden)."""
+    source, _ = tiny
+    tokenizer = sources.load_tokenizer(source)
+    model = tiny_model("qwen2", vocab_size=262, tie_word_embeddings=True)
+    reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert "output.weight" not in tensors  # tied
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"  # llama.cpp splits text as Qwen2's tokenizer
+    bias = model.model.layers[0].self_attn.k_proj.bias.detach()
+    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, bias.reshape(2, 2, 8).transpose(1, 2).reshape(32).numpy())
+    v_bias = model.model.layers[0].self_attn.v_proj.bias.detach()
+    assert np.array_equal(tensors["blk.0.attn_v.bias"].data, v_bias.numpy())  # v rows are not rotated
+    with pytest.raises(PrunelightError, match="drops its q/k/v biases") as err:  # transformers reads llama unbiased
+        sources.load_config(sources.resolve_pretrained(str(tmp_path / "m.gguf")))
+    assert "\n" not in str(err.value)
+    cut = copy.deepcopy(model)
+    apply_plan(cut, sized_plan(cut, [2, 1], [64, 32]))
+    reader, tensors = read(write_gguf(cut, tmp_path / "c.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "deci"
+    assert reader.fields["deci.attention.head_count_kv"].contents() == [2, 1]
+    assert tensors["blk.1.attn_q.bias"].data.shape == (32,)

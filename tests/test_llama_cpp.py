@@ -17,7 +17,7 @@ from prunelight import sources
 from prunelight.llama_cpp import engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp
 from prunelight.gguf_export import write_gguf
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_gguf, sized_plan
+from prunelight.testing import make_tiny_gguf, sized_plan, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(engine_missing() is not None, reason=str(engine_missing()))]
@@ -38,6 +38,71 @@ def test_tiny_greedy_equal_in_llama_cpp(tmp_path, plan):
                          "perplexity": {"windows": [list(range(3, 60))]}})
     assert got["greedy"] == hf_greedy(model, prompts, 8)
     assert got["perplexity"]["ppl"] == pytest.approx(hf_perplexity(model, [list(range(3, 60))]), rel=1e-3)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # wavelengths 16..64 of head_dim 16's 6..2e4 are smoothed
+
+
+def tiny_with_tokenizer(tmp_path, family, **overrides):
+    """A tiny random model of `family` over the tiny GGUF's byte-level BPE vocabulary (262 tokens), its tokenizer,
+    q/k weights scaled up so the attention pattern (and with it the rotary embedding) moves the logits."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    model = tiny_model(family, vocab_size=262, max_position_embeddings=128, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6)
+    return model, tokenizer
+
+
+def run_tiny(model, path, tokenizer):
+    """llama.cpp's greedy tokens and perplexity of `model` written as F32, and the prompts and window it ran on."""
+    out = write_gguf(model, path, "f32", tokenizer=tokenizer)
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                         "perplexity": {"windows": windows}})
+    return got, prompts, windows
+
+
+@pytest.mark.parametrize("plan", [None, ([1, 0], [64, 96])], ids=["uniform", "gqa_noop_attn"])
+def test_llama3_rope_scaling_in_llama_cpp(tmp_path, plan):
+    """Llama-3 rope scaling (rope_freqs.weight), uniform (llama) and per-layer (deci): llama.cpp's greedy tokens
+    equal transformers', perplexity within 1e-5; transformers without the scaling gives other greedy tokens."""
+    model, tokenizer = tiny_with_tokenizer(tmp_path, "llama", rope_scaling=dict(LLAMA3_ROPE))
+    if plan is not None:
+        apply_plan(model, sized_plan(model, *plan))
+    got, prompts, windows = run_tiny(model, tmp_path / "m.gguf", tokenizer)
+    assert got["greedy"] == hf_greedy(model, prompts, 8)
+    ppl = hf_perplexity(model, windows)
+    assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=1e-5)
+    if plan is None:  # the scaling matters here: the same weights unscaled decode otherwise
+        plain = tiny_model("llama", vocab_size=262, max_position_embeddings=128)
+        plain.load_state_dict(model.state_dict())
+        assert hf_greedy(plain, prompts, 8) != got["greedy"]
+        assert abs(hf_perplexity(plain, windows) / ppl - 1) > 1e-3
+
+
+@pytest.mark.parametrize("tied,plan", [(False, ([1, 1], [64, 64])), (True, ([1, 1], [64, 64])),
+                                       (False, ([2, 1], [64, 32]))], ids=["uniform", "uniform_tied", "per_layer"])
+def test_qwen2_in_llama_cpp(tmp_path, tied, plan):
+    """A tiny Qwen2 with q/k/v biases of std 1, cut uniformly (llama) and per layer (deci): llama.cpp's greedy tokens
+    equal transformers', perplexity within 1e-5; the same model without its biases decodes otherwise."""
+    model, tokenizer = tiny_with_tokenizer(tmp_path, "qwen2", tie_word_embeddings=tied)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.mul_(10)
+    apply_plan(model, sized_plan(model, *plan))
+    got, prompts, windows = run_tiny(model, tmp_path / "m.gguf", tokenizer)
+    assert got["greedy"] == hf_greedy(model, prompts, 8)
+    assert got["perplexity"]["ppl"] == pytest.approx(hf_perplexity(model, windows), rel=1e-5)
+    with torch.no_grad():  # the biases matter: llama.cpp read them
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    assert hf_greedy(model, prompts, 8) != got["greedy"]
 
 
 @pytest.mark.slow
