@@ -122,13 +122,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the rows, append to the JSON, rewrite the Markdown."""
-    from prunelight.testing import shared_dir
-
-    shared = shared_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a Hugging Face folder (fp32)")
-    p.add_argument("--calibration", default=str(shared / "data" / "wikitext2" / "valid.txt") if shared else None)
-    p.add_argument("--eval", default=str(shared / "data" / "wikitext2" / "test.txt") if shared else None)
+    bench.add_data_arguments(p, model=False)
     p.add_argument("--eval-chars", type=int, default=60000)
     p.add_argument("--ratios", default="0.2")
     p.add_argument("--rows", default="stock,search,search_obs")
