@@ -127,9 +127,14 @@ def quiet_lightning_tips() -> None:
     """Drop the two "💡 Tip: ... litlogger / litmodels" lines Lightning logs at the start of every run.
 
     What a run prints is prunelight's: the tips advertise optional cloud services and say nothing about the run.
-    Every other Lightning message passes (the filter is added once per logger).
+    Every other Lightning message passes (the filter is added once per logger). Lightning's own warning that it
+    calls torch's deprecated `LeafSpec` (in `lightning/pytorch/utilities/_pytree.py`, printed on every fit) is
+    dropped too: it is about Lightning's code and asks nothing of the user.
     """
     import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
 
     for name in _LIGHTNING_INFO_LOGGERS:
         logger = logging.getLogger(name)

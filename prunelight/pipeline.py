@@ -73,7 +73,7 @@ def make_plan(
     if row.measure is not None:  # saved or handed-in scores (prune.scores, a benchmark's) still leave the batches
         measured = row.measure(MeasureInputs(
             unwrap(model), imp_batches or _importance_batches(batches, settings), budget, scores, settings, shape,
-            settings.allocation_options, reduce_sum, state_dir))
+            settings.allocation_options, reduce_sum, state_dir, calibration=batches))
     search = None
     share = settings.attn_share
     groups_removed = groups_kept = None

@@ -169,8 +169,10 @@ class PruneSettings:
     """Kept MLP channels are rounded to a multiple of this (64/128 suit GPU kernels; 1 disables)."""
     max_calibration_batches: int | None = None
     """Use at most this many calibration batches for scoring (null: all)."""
-    importance_batches: int | None = None
-    """Calibration batches for layer importance and the split search (null: as for scoring)."""
+    importance_batches: int | None = 2
+    """Calibration batches the measures read: layer importance, the split search and the calibrated allocation's
+    probes (2: 16 sequences at the default batch size, which bounds the probes' cost at about two forwards of 16
+    sequences per layer whatever the calibration set; null: every scoring batch)."""
     layer_importance: LayerImportanceName = "block_influence"
     """Layer importance measure for layerwise and depth."""
     block_importance: BlockImportance = "units"

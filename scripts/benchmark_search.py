@@ -47,11 +47,10 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
     t0 = time.perf_counter()
     if kind in ("stock", "default"):
-        opts = {"criterion": "flap", "ratio": ratio, "reconstruct": "least_squares"}
+        # default: the library's own defaults (criterion, allocation, repair, probe batches) at this ratio
+        opts = {"ratio": ratio}
         if kind == "stock":
-            opts.update(allocation="global", attn_mlp_split="auto")
-        else:
-            opts.update(allocation="calibrated")
+            opts.update(criterion="flap", reconstruct="least_squares", allocation="global", attn_mlp_split="auto")
         pruned, plan, seconds = bench.cut_copy(model, prunelight.PruneSettings(**opts), calib,
                                                export_format="stock" if kind == "stock" else "auto")
         row["times_s"] = {"cut": seconds}

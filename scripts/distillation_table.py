@@ -37,6 +37,14 @@ SETTINGS = {  # name -> command-line options of the recovery
     # the same loss at 4x the job's learning rate: how far 200 steps get when the adapters move faster
     "kl_a1.0_T1_lr2e-3": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0",
                           "--model.learning_rate=0.002"],
+    # what a bigger trainable part buys at equal tokens: LoRA r=64 (alpha 2r, as r=8 has) and full fine-tuning
+    # (at 1e-4, a fifth of LoRA's rate: every weight moves, as fine-tuning a pretrained model of this size does)
+    "ce_r64": ["--model.lora.r=64", "--model.lora.alpha=128"],
+    "kl_r64": ["--model.lora.r=64", "--model.lora.alpha=128", "--model.distillation.alpha=1.0",
+               "--model.distillation.temperature=1.0"],
+    "ce_full": ["--model.recovery=full", "--model.learning_rate=0.0001"],
+    "kl_full": ["--model.recovery=full", "--model.learning_rate=0.0001", "--model.distillation.alpha=1.0",
+                "--model.distillation.temperature=1.0"],
 }
 # $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
 SHARED = shared_dir() or ROOT.parent / "shared"
@@ -73,10 +81,11 @@ JOBS = {
 }
 
 
-def fit(job: Job, name: str, out: Path, steps: int) -> int:
-    """One run of `job` with recovery `name` (no evaluation inside the run)."""
+def fit(job: Job, name: str, out: Path, steps: int, plan: Path | None = None) -> int:
+    """One run of `job` with recovery `name` (no evaluation inside the run); `plan` re-applies a saved cut."""
+    reuse = [f"--prune.plan={plan}"] if plan is not None and name != "pruned" else []
     cmd = [sys.executable, "-m", "prunelight", "fit", "--config", str(ROOT / "configs" / job.config), *job.options,
-           *SETTINGS[name], f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+           *SETTINGS[name], *reuse, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
            "--evaluation.data_eval=false", f"--export.out_dir={out / name}", "--trainer.enable_progress_bar=false"]
     with open(out / f"{name}.log", "w") as log:
         return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -116,8 +125,10 @@ def table(out: Path) -> str:
         if name not in ("dense", "pruned") and run.exists():
             rec = json.loads(run.read_text())["recovery"]
             d = rec.get("distillation")
-            loss = (f"{rec['steps']} LoRA steps, next-token CE" if not d else
-                    f"{rec['steps']} LoRA steps, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "
+            how = (f"LoRA r={rec['lora']['r']}" if rec.get("mode", "lora") == "lora" and rec.get("lora")
+                   else "LoRA" if rec.get("mode", "lora") == "lora" else "full fine-tuning")
+            loss = (f"{rec['steps']} steps {how}, next-token CE" if not d else
+                    f"{rec['steps']} steps {how}, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "
                     f"{1 - d['alpha']:.2g} x CE")
             lr = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.learning_rate=")), None)
             loss += f", lr {lr}" if lr else ""
@@ -138,6 +149,10 @@ def main() -> None:
     ap.add_argument("--zeroshot-limit", default="null", help="rows per zero-shot set (null: all; smollm2 job only)")
     ap.add_argument("--only", default=None, help=f"comma list of the runs to (re)do, of {', '.join(SETTINGS)}")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: all at once)")
+    ap.add_argument("--reuse-cut", action="store_true",
+                    help="cut once (the pruned run) and re-apply its plan.json in the other runs (same cut, no "
+                         "scoring or probes per run)")
     args = ap.parse_args()
     names = list(SETTINGS) if args.only is None else [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
@@ -152,9 +167,16 @@ def main() -> None:
         (args.out / "suite.yaml").write_text(SUITE.format(
             shared=SHARED, windows=args.windows, seq_lens=job.seq_lens, zeroshot=str(job.zeroshot).lower(),
             limit=args.zeroshot_limit))
-        with ThreadPoolExecutor(len(names) + 1) as pool:
+        plan = None
+        if args.reuse_cut:
+            plan = args.out / "pruned" / "plan.json"
+            if not plan.exists():
+                print("fit pruned (the cut the other runs re-apply):", fit(job, "pruned", args.out, args.steps),
+                      flush=True)
+        with ThreadPoolExecutor(args.jobs or len(names) + 1) as pool:
             dense = pool.submit(evaluate, "dense", job.dense, args.out) if args.only is None else None
-            codes = dict(zip(names, pool.map(lambda n: fit(job, n, args.out, args.steps), names)))
+            todo = [n for n in names if not (plan is not None and n == "pruned")]
+            codes = dict(zip(todo, pool.map(lambda n: fit(job, n, args.out, args.steps, plan), todo)))
             print("fit exit codes:", codes, flush=True)
             codes = dict(zip(names, pool.map(lambda n: evaluate(n, args.out / n / "model", args.out), names)))
             print("evaluate exit codes:", codes, "dense:", dense.result() if dense else "kept", flush=True)

@@ -144,7 +144,7 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     model, settings, budget, scores, _ = _setup()
     opts = SearchOptions(generations=2, offspring=3, stages=(2, 4), survivors=(3, 1), mlp_levels=8)
     mi = SimpleNamespace(model=model, batches=_batches(), budget=budget, scores=scores, settings=settings,
-                         options=opts, reduce_sum=None, state_dir=tmp_path)
+                         options=opts, reduce_sum=None, state_dir=tmp_path, calibration=_batches())
     measured = measure_search(mi)
     removal = allocate_search(SimpleNamespace(measured=measured))
     total = plan_params_removed(budget, build_plan(budget, removal.removed))
@@ -152,6 +152,22 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     assert measured.as_dict()["trajectory"]
     with pytest.raises(ValueError, match="one process"):
         measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: t}))
+
+
+def test_the_database_reads_every_calibration_batch_and_the_probes_only_the_importance_ones(tmp_path):
+    """prune.importance_batches bounds what the calibrated seed's probes read; the levels database (its Grams, the
+    refits every level writes) is built from all the calibration batches the run scored on."""
+    import prunelight
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    batches = _batches(4)
+    args = {"generations": 1, "offspring": 2, "stages": [2], "survivors": [2], "mlp_levels": 8,
+            "state_dir": str(tmp_path)}
+    _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
+                                       "importance_batches": 1, "allocation_args": args}, batches)
+    db = torch.load(tmp_path / "levels_criterion.pt", weights_only=False)
+    assert db["tokens"] == sum(b.numel() for b in batches)  # 4 batches, not the 1 the probes read
+    assert "calibrated" in plan.meta["search"]["seeds_kl"]
 
 
 def test_allocation_search_end_to_end_through_prune():
@@ -165,7 +181,13 @@ def test_allocation_search_end_to_end_through_prune():
                                        "allocation_args": args}, _batches())
     assert plan.meta["allocation"] == "search"
     assert 0 <= plan.meta["budget_error_params"] < 3 * 64 and "search" in plan.meta  # one MLP channel: 3 x hidden
-    assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(plan.meta["search"]["seeds_kl"].values())
+    seeds_kl = plan.meta["search"]["seeds_kl"]
+    assert {"uniform", "global", "calibrated"} <= set(seeds_kl)  # the default's plan is in the first generation
+    assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(seeds_kl.values())
+    fresh = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)  # prune cuts in place
+    _, plan = prunelight.prune(fresh, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
+                                       "allocation_args": {**args, "seed_calibrated": False}}, _batches())
+    assert "calibrated" not in plan.meta["search"]["seeds_kl"]
     with pytest.raises(ValueError, match="generationz"):
         prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
                          _batches())

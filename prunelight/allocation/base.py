@@ -62,6 +62,9 @@ class MeasureInputs:
     options: Any = None  # the row's options instance, or None
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # cross-rank sum (DDP), or None
     state_dir: Path | None = None  # a folder for resumable state (the run's output folder; None in the notebook API)
+    # every calibration batch the run scored on; `batches` is its first `prune.importance_batches` (what probes
+    # read). A measure that fits weights from statistics (search's levels database) reads all of them.
+    calibration: list[torch.Tensor] | None = None
 
 
 @dataclass

@@ -346,6 +346,14 @@ def measure_calibrated(inp: MeasureInputs) -> Probes:
     return probes
 
 
+def calibrated_removal(inp: MeasureInputs) -> Removed:
+    """The FREE-shape removal `allocation: calibrated` makes from these inputs (probes, rescale, capped knapsack)."""
+    probes = measure_calibrated(inp)
+    removed, _ = capped_width(calibrated_scores(inp.scores, probes), inp.budget, probes, CalibratedOptions().reach,
+                              inp.settings.attn_share)
+    return removed
+
+
 def allocate_calibrated(inp: AllocationInputs) -> Removal:
     """Shape.FREE: the capped global knapsack on calibrated costs (`allocate` rescaled `inp.scores` with the row's
     `rescale`); the true-up moves units on the same scale."""

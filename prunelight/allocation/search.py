@@ -14,8 +14,8 @@ evaluating a candidate is one masked forward of the model with those weights swa
   with a few *level moves* (`mutate`): one sub-block gives a level and another of the same kind takes one (equal
   cost), or a GQA group is traded for MLP steps and the MLP side is repaired to the budget window. Selection runs in
   stages: all offspring on a few sequences, the best of them on more, the best one on the most, against the parent
-  on the same sequences. The first generation holds the seeds (uniform, global, and whatever plans the caller adds:
-  calibrated, layerwise), so the result is never worse than they are on the last stage's calibration KL.
+  on the same sequences. The first generation holds the seeds (uniform, global, calibrated's plan with
+  `seed_calibrated`, and whatever plans the caller adds, e.g. a stock cut's), so the result is never worse than they are on the last stage's calibration KL.
 - Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
   written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
 """
@@ -37,6 +37,7 @@ from torch import nn
 
 from prunelight.allocation.base import Removal
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
+from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.width import global_width, uniform_counts
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
@@ -71,6 +72,9 @@ class SearchOptions:
     seeds: dict[str, Any] = field(default_factory=dict)
     """More plans for the first generation besides uniform and global: name -> the units each sub-block removes,
     {"attn": [[group, ...] per layer], "mlp": [[channel, ...] per layer]} (e.g. a stock cut's)."""
+    seed_calibrated: bool = True
+    """Add the `calibrated` allocation's plan to the first generation (its probes run on the
+    prune.importance_batches sequences), so the search is never worse than the default on calibration KL."""
     state_dir: str | None = None
     """A folder for the levels database and the resumable search state (None: the run's output folder; the
     database is kept per model, criterion, order and calibration size, so it serves every ratio)."""
@@ -431,8 +435,13 @@ def measure_search(inp) -> SearchMeasured:
                          "over ranks yet); use one device, or prune.allocation: calibrated")
     options = inp.options if inp.options is not None else SearchOptions()
     state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
-    removed, result, _ = run_search(inp.model, inp.batches, inp.budget, inp.scores, inp.settings, options,
-                                    state_dir, plans=options.seed_plans())
+    plans = options.seed_plans()
+    if options.seed_calibrated and "calibrated" not in plans:
+        plans["calibrated"] = calibrated_removal(inp)
+    # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
+    batches = inp.calibration or inp.batches
+    removed, result, _ = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
+                                    state_dir, plans=plans)
     return SearchMeasured(removed, result)
 
 
