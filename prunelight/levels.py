@@ -28,11 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelight.atomic import atomic_path
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.importance.obs import ObsCriterion, unit_columns
 from prunelight.obs import damping, greedy_removal
-from prunelight.reconstruct import FitStats, least_squares_fit, output_proj
+from prunelight.reconstruct import FitStats, ReduceSum, least_squares_fit, output_proj
 
 ORDERS = ("criterion", "obs")
 KINDS = ("attn", "mlp")
@@ -152,9 +153,8 @@ class LevelsDatabase:
         data = {"key": self.key, "order": self.order, "ridge": self.ridge, "tokens": self.tokens,
                 "blocks": {f"{k}:{i}": {"order": b.order, "gram": b.gram.cpu()} for (k, i), b in self.blocks.items()}}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(data, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # a temporary name of its own: ranks may write the same database at once
+            torch.save(data, tmp)
 
 
 def database_key(model: nn.Module, criterion: str, order: str, tokens: int) -> dict[str, Any]:
@@ -182,14 +182,19 @@ def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
 
 
 def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitScores, limits: dict[str, list[int]],
-                   order: str = "criterion", ridge: float = 1e-2, criterion: str = "") -> LevelsDatabase:
-    """Grams from one dense pass, then each sub-block's removal order up to `limits[kind][layer]` units."""
+                   order: str = "criterion", ridge: float = 1e-2, criterion: str = "",
+                   reduce_sum: ReduceSum | None = None) -> LevelsDatabase:
+    """Grams from one dense pass (summed over ranks with `reduce_sum`, so every rank holds the same database), then
+    each sub-block's removal order up to `limits[kind][layer]` units."""
     import time
 
     if order not in ORDERS:
         raise ValueError(f"levels order={order!r} is not allowed: use one of {', '.join(ORDERS)}")
     t0 = time.perf_counter()
     grams, tokens = input_grams(model, batches)
+    if reduce_sum is not None:
+        grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
+        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
     blocks = {}
     for kind, i, cols, w in _dense_blocks(model, grams):
         g = grams[i][kind]

@@ -171,3 +171,24 @@ def test_rank_zero_evaluates_and_exports_once(ddp_run):
             expect = final[name.replace(".weight", ".base_layer.weight")] if name not in final else final[name]
         torch.testing.assert_close(value, expect, rtol=1e-5, atol=1e-6)
     assert merged > 0
+
+
+def test_search_allocation_under_ddp_gives_every_rank_the_same_plan(tmp_path):
+    """`allocation: search` under DDP: each rank scores its own sequences, the Grams and KL are summed over ranks,
+    so both ranks build the same database (of every rank's tokens), take the same steps and cut the same units."""
+    cfg = _job(tmp_path)
+    args = '{"generations": 2, "offspring": 3, "stages": [2, 4], "survivors": [3, 1], "mlp_levels": 8}'
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "prunelight", "fit", "--config", str(cfg), "--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--prune.allocation", "search", "--prune.allocation_args", args, "--trainer.max_steps", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    plans = [r["plan"] for r in ranks]
+    assert plans[0]["layers"] == plans[1]["layers"]
+    assert plans[0]["meta"]["search"]["kl"] == plans[1]["meta"]["search"]["kl"]
+    assert plans[0]["meta"]["allocation"] == "search" and plans[0]["meta"]["budget_error_params"] >= 0
+    db = torch.load(tmp_path / "run" / "levels_criterion.pt", weights_only=False)
+    assert db["tokens"] == SAMPLES * 32  # both ranks' calibration windows, not one rank's half

@@ -150,8 +150,13 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     total = plan_params_removed(budget, build_plan(budget, removal.removed))
     assert removal.exact and budget.target <= total < budget.target + budget.c_cost
     assert measured.as_dict()["trajectory"]
-    with pytest.raises(ValueError, match="one process"):
-        measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: t}))
+    # Two ranks that hold the same sequences: Grams, tokens and KL sums double, the search takes the same steps.
+    twice = measure_search(SimpleNamespace(**{**vars(mi), "reduce_sum": lambda t: 2 * t,
+                                              "state_dir": tmp_path / "ddp"}))
+    assert twice.removed == measured.removed
+    assert twice.result.kl == pytest.approx(measured.result.kl, rel=1e-9)
+    assert torch.load(tmp_path / "ddp" / "levels_criterion.pt", weights_only=False)["tokens"] == 2 * sum(
+        b.numel() for b in mi.calibration)
 
 
 def test_the_database_reads_every_calibration_batch_and_the_probes_only_the_importance_ones(tmp_path):

@@ -36,13 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunelight.allocation.base import Removal
+from prunelight.atomic import atomic_path
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
 from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.width import global_width, uniform_counts
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
 from prunelight.levels import LevelsDatabase, build_database, database_key, load_database
-from prunelight.reconstruct import output_proj
+from prunelight.reconstruct import ReduceSum, output_proj
 
 log = logging.getLogger(__name__)
 KINDS = ("attn", "mlp")
@@ -240,8 +241,10 @@ def finish(space: LevelSpace, levels: Levels, db: LevelsDatabase, align: int = 1
 class KLFitness:
     """Mean per-token KL(dense || candidate) of next-token distributions on the first n calibration sequences."""
 
-    def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, batch: int = 8) -> None:
+    def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, batch: int = 8,
+                 reduce_sum: ReduceSum | None = None) -> None:
         self.base = unwrap(model)
+        self.reduce_sum = reduce_sum  # under DDP: each rank scores its own sequences, the KL is their pooled mean
         self.family = get_family(self.base)
         self.db, self.batch = db, batch
         self.device = next(self.base.parameters()).device
@@ -276,6 +279,9 @@ class KLFitness:
                 total += float((dense.exp() * (dense - logp)).sum())
                 tokens += logp.shape[0] * logp.shape[1]
                 self.forwards += chunk.shape[0]
+            if self.reduce_sum is not None:
+                t = self.reduce_sum(torch.tensor([total, float(tokens)], dtype=torch.float64)).cpu()
+                total, tokens = float(t[0]), int(t[1])
             return total / max(tokens, 1)
         finally:
             for key, proj in self.projs.items():
@@ -362,9 +368,8 @@ def _opts(options: SearchOptions) -> dict:
 
 def _save_state(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:  # a temporary name of its own: every rank writes the same state
+        torch.save(state, tmp)
 
 
 def calibration_rows(batches: Sequence[torch.Tensor], n: int) -> torch.Tensor:
@@ -391,22 +396,26 @@ def seed_levels(space: LevelSpace, scores, plans: dict[str, Removed] | None = No
 
 def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget, scores, settings,
                options: SearchOptions, state_dir: Path | None = None, plans: dict[str, Removed] | None = None,
-               db: LevelsDatabase | None = None) -> tuple[Removed, SearchResult, LevelsDatabase]:
-    """Levels database (built or loaded from `state_dir`), the search, and the final removal."""
+               db: LevelsDatabase | None = None, reduce_sum: ReduceSum | None = None,
+               ) -> tuple[Removed, SearchResult, LevelsDatabase]:
+    """Levels database (built or loaded from `state_dir`), the search, and the final removal. Under DDP
+    (`reduce_sum`) the Grams and every fitness are summed over ranks, so all ranks take the same steps."""
     space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels)
     t0 = time.perf_counter()
     if db is None:
         path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
         tokens = sum(b.numel() for b in batches)
+        if reduce_sum is not None:
+            tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
         key = database_key(model, settings.criterion, options.order, tokens)
         db = load_database(path, model, key) if path is not None else None
         if db is None:
             db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
-                                settings.reconstruct_ridge, settings.criterion)
+                                settings.reconstruct_ridge, settings.criterion, reduce_sum)
             if path is not None:
                 db.save(path)
     t_db = time.perf_counter() - t0
-    fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]))
+    fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]), reduce_sum=reduce_sum)
     seeds = seed_levels(space, scores, plans)
     # One state file per order and budget: a state of another search is never resumed from.
     state = state_dir / f"search_state_{options.order}_{budget.target}.pt" if state_dir is not None else None
@@ -430,9 +439,6 @@ class SearchMeasured:
 
 def measure_search(inp) -> SearchMeasured:
     """The row's measurement (`MeasureInputs`): the levels database and the search on the calibration batches."""
-    if inp.reduce_sum is not None:
-        raise ValueError("prune.allocation='search' runs on one process (its database and search are not summed "
-                         "over ranks yet); use one device, or prune.allocation: calibrated")
     options = inp.options if inp.options is not None else SearchOptions()
     state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
     plans = options.seed_plans()
@@ -441,7 +447,7 @@ def measure_search(inp) -> SearchMeasured:
     # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
     batches = inp.calibration or inp.batches
     removed, result, _ = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
-                                    state_dir, plans=plans)
+                                    state_dir, plans=plans, reduce_sum=inp.reduce_sum)
     return SearchMeasured(removed, result)
 
 
