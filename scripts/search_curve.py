@@ -78,7 +78,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax[0].plot([p["seconds"] for p in t], [p["kl"] for p in t], marker=".", label=label)
         ax[1].plot([p["generation"] * per_gen / 1e3 for p in t], [p["kl"] / t[0]["kl"] for p in t], marker=".",
                    label=label)
-    ax[0].set(xlabel="search wall time (s, 2-core CPU)", ylabel="calibration KL of the best candidate")
+    ax[0].set(xlabel="search wall time (s; 1 thread, CPU shared with other jobs)", ylabel="calibration KL of the best candidate")
     ax[1].set(xlabel="calibration tokens forwarded (thousands)", ylabel="KL / KL of the best seed")
     ax[0].legend(fontsize=7)
     fig.tight_layout()
