@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 "eval": f"{Path(args.eval).name}, first {args.eval_chars:,} characters, {args.seq_len}-token windows",
                 "calibration": f"{data.calib.shape[0]} x {args.seq_len} tokens of {Path(args.calibration).name}",
                 "threads": torch.get_num_threads(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs",
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at start",
                 "torch": torch.__version__}
     if "search" in meta:  # written before variants were labelled
         meta.setdefault("searches", {})["-"] = meta.pop("search")
