@@ -15,7 +15,8 @@ evaluating a candidate is one masked forward of the model with those weights swa
   cost), or a GQA group is traded for MLP steps and the MLP side is repaired to the budget window. Selection runs in
   stages: all offspring on a few sequences, the best of them on more, the best one on the most, against the parent
   on the same sequences. The first generation holds the seeds (uniform, global, calibrated's plan with
-  `seed_calibrated`, and whatever plans the caller adds, e.g. a stock cut's), so the result is never worse than they are on the last stage's calibration KL.
+  `seed_calibrated`, and whatever plans the caller adds, e.g. a stock cut's), so the result is never worse than
+  they are on the last stage's calibration KL.
 - Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
   written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
 """
@@ -36,10 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunelight.allocation.base import Removal
-from prunelight.atomic import atomic_path
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
 from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.width import global_width, uniform_counts
+from prunelight.atomic import atomic_path
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
 from prunelight.levels import LevelsDatabase, build_database, database_key, load_database

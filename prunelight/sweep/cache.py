@@ -18,7 +18,6 @@ under the key (write-then-rename: two workers storing the same key leave one who
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -58,17 +57,12 @@ def model_fingerprint(pretrained: str) -> dict[str, Any]:
 
 def calibration_part(config: dict[str, Any]) -> dict[str, Any]:
     """`prunelight.saved.calibration_identity` as the run will compute it, from the resolved config alone."""
-    from types import SimpleNamespace
-
     from prunelight.data import effective_calibration_batch_size
     from prunelight.saved import calibration_identity
-
     from prunelight.settings import PruneSettings
 
-    # a key the config leaves out is the settings' default, as the run will read it
-    defaults = {f.name: f.default for f in dataclasses.fields(PruneSettings)}
-    limits = SimpleNamespace(**{k: _get(config, f"prune.{k}", defaults[k])
-                                for k in ("max_calibration_batches", "importance_batches")})
+    # the settings as the run makes them: a key the config leaves out reads as its default
+    limits = PruneSettings(**prune_section(config))
     # the size the run scores with (null falls back to data.batch_size), resolved as the data module does
     batch_size = effective_calibration_batch_size(_get(config, "data.calibration_batch_size"),
                                                   _get(config, "data.batch_size"))
