@@ -233,6 +233,27 @@ class Scorer:
             self._blocks.setdefault(window, scores.block_importance)
 
 
+def zeroshot_result(model: nn.Module, tokenizer: Any, data_dir: str | Path, limit: int, batch_size: int = 16
+                    ) -> dict[str, Any]:
+    """Zero-shot acc per task on the first `limit` rows, with binomial standard errors and the mean's."""
+    from prunelight.evaluation.zeroshot import TASKS, evaluate_zeroshot
+
+    t0 = time.perf_counter()
+    res = evaluate_zeroshot(model, tokenizer, tasks=list(TASKS), data_dir=data_dir, limit=limit,
+                            batch_size=batch_size)
+    tasks = {}
+    for task, r in res["tasks"].items():
+        n = int(r["samples"] or limit)
+        acc = float(r["acc"])
+        tasks[task] = {"acc": acc, "stderr": (acc * (1 - acc) / max(n - 1, 1)) ** 0.5, "n": n,
+                       **({"acc_norm": r["acc_norm"]} if "acc_norm" in r else {})}
+    k = len(tasks)
+    mean = sum(t["acc"] for t in tasks.values()) / k
+    se = sum(t["stderr"] ** 2 for t in tasks.values()) ** 0.5 / k
+    return {"tasks": tasks, "average": mean, "average_stderr": se, "limit": limit,
+            "lm_eval": res["lm_eval_version"], "seconds": time.perf_counter() - t0}
+
+
 def cut_copy(model: nn.Module, settings: PruneSettings, calibration: Sequence[torch.Tensor] | None = None,
              scores: Any = None, export_format: str = "auto") -> tuple[nn.Module, Any, float]:
     """A cut copy of `model` (the run's cut: `prunelight.prune`), its plan and the seconds the cut took."""

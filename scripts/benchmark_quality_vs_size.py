@@ -164,26 +164,6 @@ def evaluate_protocols(model, protocols: dict[str, list]) -> dict:
     return {name: bench.perplexity(model, batches) for name, batches in protocols.items()}
 
 
-def zeroshot_result(model, tokenizer, data_dir: str, limit: int, batch_size: int) -> dict:
-    """Zero-shot acc per task on the first `limit` rows, with binomial standard errors and the mean's."""
-    from prunelight.evaluation.zeroshot import TASKS, evaluate_zeroshot
-
-    t0 = time.perf_counter()
-    res = evaluate_zeroshot(model, tokenizer, tasks=list(TASKS), data_dir=data_dir, limit=limit,
-                            batch_size=batch_size)
-    tasks = {}
-    for task, r in res["tasks"].items():
-        n = int(r["samples"] or limit)
-        acc = float(r["acc"])
-        tasks[task] = {"acc": acc, "stderr": (acc * (1 - acc) / max(n - 1, 1)) ** 0.5, "n": n,
-                       **({"acc_norm": r["acc_norm"]} if "acc_norm" in r else {})}
-    k = len(tasks)
-    mean = sum(t["acc"] for t in tasks.values()) / k
-    se = sum(t["stderr"] ** 2 for t in tasks.values()) ** 0.5 / k
-    return {"tasks": tasks, "average": mean, "average_stderr": se, "limit": limit,
-            "lm_eval": res["lm_eval_version"], "seconds": time.perf_counter() - t0}
-
-
 def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, str, float]], reconstruct: str,
              extra: dict, done: set, zeroshot_for: set, zeroshot_fn, on_row) -> None:
     """Score once per criterion (and layer measure), then per cell cut a fresh copy as a run does, evaluate."""
@@ -709,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
 
             def zeroshot_fn(m):
-                return zeroshot_result(m, tokenizer, args.zeroshot_dir, args.zeroshot_limit, args.zeroshot_batch_size)
+                return bench.zeroshot_result(m, tokenizer, args.zeroshot_dir, args.zeroshot_limit, args.zeroshot_batch_size)
         meta = {
             "model": str(args.model) if not args.tiny_family else f"tiny {args.tiny_family} (random weights)",
             "model_name": Path(args.model).name, "model_type": model.config.model_type,

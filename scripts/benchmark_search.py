@@ -9,7 +9,14 @@ windows; calibration --samples x --seq-len tokens of --calibration), no recovery
   evolutionary search on calibration KL (seeds: uniform counts, global's knapsack and the stock plan), then the cut
   with least_squares.
 - ``search_obs``: the same with structured OBS's order and `reconstruct: obs`.
+- ``search_stock`` / ``search_served``: search_obs cut for `export.format: stock` (every uniform shape measured) /
+  `nemotron_nas` (the served layouts' search: one kept group count, per-layer MLP widths).
 - ``default``: flap + calibrated + least_squares (the shipped default; its probes are the slow part).
+- ``global``, ``layerwise``, ``blockwise_removal`` (blockwise with `block_importance: removal`), ``depth``: the
+  library's defaults with that allocation.
+
+`--zeroshot-rows` evaluates those rows (and ``dense``) on the seven zero-shot sets of ../shared/data/zeroshot, the
+first `--zeroshot-limit` rows of each.
 
 Writes results/benchmarks/<name>.json and .md (rows appended as they finish; --resume keeps finished rows), with
 each phase's wall time (scoring, database, search, cut, evaluation) and the search trajectory.
@@ -34,21 +41,29 @@ import prunelight
 from prunelight import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("stock", "search", "search_obs", "default")
+ROWS = ("stock", "search", "search_obs", "search_stock", "search_served", "default", "global", "layerwise",
+        "blockwise_removal", "depth")
+# the search rows under a shape constraint (OBS's order, as search_obs): the export format they are cut for
+SHAPED_SEARCH = {"search_stock": "stock", "search_served": "nemotron_nas"}
+# rows that are the library defaults with one allocation (and its option) changed
+ALLOCATION_ROWS = {"global": {"allocation": "global"}, "layerwise": {"allocation": "layerwise"},
+                   "blockwise_removal": {"allocation": "blockwise", "block_importance": "removal"},
+                   "depth": {"allocation": "depth"}}
 
 
 def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path, stock_removed) -> dict:
+def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path, stock_removed,
+            zeroshot: tuple[set, object] | None = None) -> dict:
     """Cut a copy of `model` one way (`prunelight.prune`), evaluate it; returns the row (and keeps the stock
     removal for the seeds)."""
     row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
     t0 = time.perf_counter()
-    if kind in ("stock", "default"):
+    if kind in ("stock", "default") or kind in ALLOCATION_ROWS:
         # default: the library's own defaults (criterion, allocation, repair, probe batches) at this ratio
-        opts = {"ratio": ratio}
+        opts = {"ratio": ratio, **ALLOCATION_ROWS.get(kind, {})}
         if kind == "stock":
             opts.update(criterion="flap", reconstruct="least_squares", allocation="global", attn_mlp_split="auto")
         pruned, plan, seconds = bench.cut_copy(model, prunelight.PruneSettings(**opts), calib,
@@ -59,7 +74,7 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
                 "attn": [set(range(n)) - set(lp.keep_groups) for n, lp in zip(plan.num_groups, plan.layers)],
                 "mlp": [set(range(n)) - set(lp.keep_channels) for n, lp in zip(plan.num_channels, plan.layers)]}
     else:
-        order = "obs" if kind == "search_obs" else "criterion"
+        order = "criterion" if kind == "search" else "obs"
         seeds = ({"stock": {k: [sorted(s) for s in v] for k, v in stock_removed[ratio].items()}}
                  if ratio in stock_removed else {})
         search_args = {"generations": args.generations, "offspring": args.offspring, "order": order,
@@ -71,7 +86,8 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
         ts = time.perf_counter()
         scores = prunelight.score(model, settings, calib)
         t_score = time.perf_counter() - ts
-        pruned, plan, seconds = bench.cut_copy(model, settings, calib, scores=scores)
+        pruned, plan, seconds = bench.cut_copy(model, settings, calib, scores=scores,
+                                               export_format=SHAPED_SEARCH.get(kind, "auto"))
         res = plan.meta["search"]
         row["times_s"] = {"scoring": t_score, **res["times_s"],
                           "cut": seconds - sum(res["times_s"].values())}  # the cut after database and search
@@ -85,6 +101,8 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     row["times_s"]["eval"] = time.perf_counter() - te
     row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=_params(pruned),
                removed=1 - _params(pruned) / _params(model), seconds=time.perf_counter() - t0)
+    if zeroshot is not None and kind in zeroshot[0]:
+        row["zeroshot"] = zeroshot[1](pruned)
     return row
 
 
@@ -113,9 +131,24 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                    f"{r['budget_error_params']} | {times} | {kl} |")
     out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
             "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
-            "OBS's order, reconstruct obs; default = flap + calibrated + least_squares. A database time near 0 s "
+            "OBS's order, reconstruct obs; search_stock / search_served = search_obs under export.format stock / "
+            "nemotron_nas; default = flap + calibrated + least_squares; global, layerwise, "
+            "blockwise_removal (block_importance: removal) and depth = the defaults with that allocation. "
+            "A database time near 0 s "
             "is the saved database of an earlier row read back (the database serves every ratio and variant). "
             "KL figures are on each variant's last-stage sequences, so they compare within a row only.", ""]
+    zs = ([("dense", meta["dense_zeroshot"])] if "dense_zeroshot" in meta else []) + [
+        (f"{r['row']}" + (f" ({r['variant']})" if r.get("variant") else "") + f" @ {r['ratio']:g}", r["zeroshot"])
+        for r in rows if "zeroshot" in r]
+    if zs:
+        tasks = list(zs[0][1]["tasks"])
+        out += [f"Zero-shot accuracy, first {zs[0][1]['limit']} rows of each set (../shared/data/zeroshot; standard "
+                "error sqrt(acc (1 - acc) / (n - 1)) per set):", "",
+                "| model | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
+        for name, z in zs:
+            out.append(f"| {name} | " + " | ".join(f"{z['tasks'][t]['acc']:.3f}" for t in tasks)
+                       + f" | {z['average']:.3f} ± {z['average_stderr']:.3f} |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -142,9 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="search_smollm2")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the JSON")
     p.add_argument("--variant", default="", help="a label for these rows (search settings), kept beside other runs'")
+    p.add_argument("--zeroshot-rows", default="", help="rows (and 'dense') to evaluate on the zero-shot sets")
+    p.add_argument("--zeroshot-limit", type=int, default=100, help="first N rows of each zero-shot set")
+    p.add_argument("--zeroshot-dir", default=bench.shared_path("data", "zeroshot"))
     args = p.parse_args(argv)
     rows_asked = [r for r in args.rows.split(",") if r]
-    bad = [r for r in rows_asked if r not in ROWS]
+    zs_rows = {r for r in args.zeroshot_rows.split(",") if r}
+    bad = [r for r in rows_asked + sorted(zs_rows - {"dense"}) if r not in ROWS]
     if bad:
         p.error(f"--rows {bad} not allowed: use {', '.join(ROWS)}")
     ratios = [float(r) for r in args.ratios.split(",") if r]
@@ -156,6 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     calib = data.calibration_batches(args.batch_size)
     evals = data.eval_batches(args.eval_batch_size)
     model = bench.load_model(args.model)
+    zeroshot = None
+    if zs_rows:
+        if not args.zeroshot_dir or not Path(args.zeroshot_dir).is_dir():
+            p.error(f"--zeroshot-dir {args.zeroshot_dir!r} is not a folder: the zero-shot rows need the shared sets")
+        tokenizer = bench.load_tokenizer(args.model)
+        zeroshot = (zs_rows, lambda m: bench.zeroshot_result(m, tokenizer, args.zeroshot_dir, args.zeroshot_limit))
     meta = previous.get("meta")
     if meta is None:
         dense = bench.perplexity(model, evals)
@@ -168,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                 "threads": torch.get_num_threads(),
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at start",
                 "torch": torch.__version__}
+    if zeroshot is not None and "dense" in zs_rows and "dense_zeroshot" not in meta:
+        meta["dense_zeroshot"] = zeroshot[1](model)
     if "search" in meta:  # written before variants were labelled
         meta.setdefault("searches", {})["-"] = meta.pop("search")
     meta.setdefault("searches", {})[args.variant or "-"] = (
@@ -194,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             print(f"[search benchmark] {kind} at {ratio:g} ...", flush=True)
             try:
-                row = run_row(kind, model, calib, evals, ratio, args, state_dir, stock_removed)
+                row = run_row(kind, model, calib, evals, ratio, args, state_dir, stock_removed, zeroshot)
                 if kind == "stock" and ratio in stock_removed:
                     row["removed_units"] = {k: [sorted(s) for s in v] for k, v in stock_removed[ratio].items()}
             except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run

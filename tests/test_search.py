@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from prunelight.allocation.base import Shape
 from prunelight.allocation.budget import build_plan, make_budget, plan_params_removed
 from prunelight.allocation.search import (
     KLFitness,
@@ -92,7 +93,7 @@ def test_kl_fitness_is_zero_for_the_dense_levels_and_grows_with_removal():
 def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
     model, settings, budget, scores, _ = _setup()
     opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
-    removed, res, db = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    removed, res, db, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
     assert res.kl <= min(res.seeds.values()) + 1e-12
     assert {"uniform", "global"} <= set(res.seeds)
     total = plan_params_removed(budget, build_plan(budget, removed))
@@ -144,7 +145,8 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     model, settings, budget, scores, _ = _setup()
     opts = SearchOptions(generations=2, offspring=3, stages=(2, 4), survivors=(3, 1), mlp_levels=8)
     mi = SimpleNamespace(model=model, batches=_batches(), budget=budget, scores=scores, settings=settings,
-                         options=opts, reduce_sum=None, state_dir=tmp_path, calibration=_batches())
+                         shape=Shape.FREE, options=opts, reduce_sum=None, state_dir=tmp_path,
+                         calibration=_batches())
     measured = measure_search(mi)
     removal = allocate_search(SimpleNamespace(measured=measured))
     total = plan_params_removed(budget, build_plan(budget, removal.removed))
@@ -196,6 +198,70 @@ def test_allocation_search_end_to_end_through_prune():
     with pytest.raises(ValueError, match="generationz"):
         prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
                          _batches())
+
+
+def test_search_under_export_format_stock_measures_every_uniform_shape(tmp_path):
+    """export.format stock: every layer keeps one shape, the one of least KL among the uniform shapes meeting the
+    budget (each refitted as the cut repairs it), within the stock budget window; the shape's report is kept."""
+    import prunelight
+    from prunelight.allocation import make_budget as budget_of
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
+    budget = budget_of(model, prunelight.PruneSettings(ratio=0.25))
+    args = {"generations": 3, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8,
+            "state_dir": str(tmp_path)}
+    _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.25,
+                                       "allocation_args": args}, _batches(), export_format="stock")
+    assert len({len(lp.keep_groups) for lp in plan.layers}) == 1
+    assert len({len(lp.keep_channels) for lp in plan.layers}) == 1
+    shapes = plan.meta["stock_shapes"]
+    assert shapes["chosen_by"] == "search_kl" and len(shapes["candidates"]) >= 2
+    best = min(shapes["candidates"], key=lambda c: c["kl"])
+    assert shapes["chosen"] == best["groups_removed_per_layer"]
+    assert 2 - len(plan.layers[0].keep_groups) == best["groups_removed_per_layer"]
+    assert 0 <= plan.meta["budget_error_params"] < 3 * budget.c_cost  # a stock cut's window: one channel per layer
+    assert "calibrated" not in plan.meta["search"]["seeds_kl"]  # no per-layer plan can seed one shape
+    from transformers import AutoModelForCausalLM
+
+    from prunelight.export import export_pretrained
+
+    out = export_pretrained(model, tmp_path / "stock", format="stock")  # a stock config states the cut
+    ids = torch.cat(_batches(1))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_search_under_export_format_nemotron_nas_keeps_one_group_count(tmp_path):
+    """export.format nemotron_nas: one kept GQA group count in every layer keeping attention (from the served
+    layouts the search starts from), per-layer MLP widths, within one channel of the target; never worse on KL than
+    its seeds."""
+    import prunelight
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
+    args = {"generations": 3, "offspring": 3, "stages": [2, 4], "survivors": [3, 1], "mlp_levels": 8,
+            "state_dir": str(tmp_path)}
+    _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.3,
+                                       "allocation_args": args}, _batches(), export_format="nemotron_nas")
+    kept = {len(lp.keep_groups) for lp in plan.layers if lp.keep_groups}
+    assert len(kept) == 1
+    served = plan.meta["served_shapes"]
+    assert served["chosen_by"] == "search_kl" and served["chosen"]["groups_kept"] == kept.pop()
+    seeds = plan.meta["search"]["seeds_kl"]
+    assert any(n.startswith("served g") for n in seeds) and any(n.startswith("calibrated g") for n in seeds)
+    assert plan.meta["search"]["kl"] <= min(seeds.values()) + 1e-12
+    assert 0 <= plan.meta["budget_error_params"] < 3 * 64  # one MLP channel: 3 x hidden
+    assert list(tmp_path.glob("search_state_criterion_served_*.pt"))  # its own state: never a FREE search's
+    # the layout vLLM serves states the cut: the folder reloads equal to the cut model
+    from transformers import AutoModelForCausalLM
+
+    from prunelight.export import export_pretrained
+
+    out = export_pretrained(model, tmp_path / "served", format="nemotron_nas")
+    ids = torch.cat(_batches(1))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):

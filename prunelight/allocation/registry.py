@@ -50,8 +50,10 @@ ROWS = (
                               Shape.SERVED: allocate_served}, splits=True, kv_target=True,
                measure=measure_calibrated, record_as="probes", options=CalibratedOptions, zero3=False,
                rescale=calibrated_scores, precheck=check_removable),
-    # Widths by the measured KL of whole candidates: a levels database and an evolutionary search (search.py).
-    Allocation("search", {Shape.FREE: allocate_search}, measure=measure_search, record_as="search",
+    # Widths by the measured KL of whole candidates: a levels database and an evolutionary search (search.py);
+    # under stock every uniform shape is measured, under nemotron_nas the search starts from the served layouts.
+    Allocation("search", {Shape.FREE: allocate_search, Shape.UNIFORM: allocate_search, Shape.SERVED: allocate_search},
+               measure=measure_search, record_as="search",
                options=SearchOptions, zero3=False, precheck=check_removable),
 )
 

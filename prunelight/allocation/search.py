@@ -17,6 +17,9 @@ evaluating a candidate is one masked forward of the model with those weights swa
   on the same sequences. The first generation holds the seeds (uniform, global, calibrated's plan with
   `seed_calibrated`, and whatever plans the caller adds, e.g. a stock cut's), so the result is never worse than
   they are on the last stage's calibration KL.
+- Shapes (`export.format`): FREE evolves every sub-block's level; SERVED (nemotron_nas) starts from the served
+  layouts (one kept group count each) and moves MLP levels only; UNIFORM (stock) measures every uniform shape meeting
+  the budget and keeps the lowest KL (a short list: no evolution).
 - Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
   written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
 """
@@ -36,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunelight.allocation.base import Removal
+from prunelight.allocation import served as served_layout
+from prunelight.allocation import stock as stock_shape
+from prunelight.allocation.base import Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, plan_params_removed
 from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.width import global_width, uniform_counts
@@ -120,15 +125,16 @@ class LevelSpace:
     budget: Budget
     step: int  # MLP channels per level
     limits: dict[str, list[int]]  # most units removable per sub-block (a multiple of step for the MLP)
+    fixed_attn: bool = False  # moves change MLP levels only (the served layout: attention comes from its seeds)
 
     @classmethod
-    def of(cls, budget: Budget, mlp_levels: int, align: int = 1) -> LevelSpace:
+    def of(cls, budget: Budget, mlp_levels: int, align: int = 1, fixed_attn: bool = False) -> LevelSpace:
         """Levels from the budget's limits: every group count, MLP widths every 1/mlp_levels (x align)."""
         width = max(budget.n_chans) if budget.n_chans else 1
         step = max(1, int(round(width / mlp_levels)))
         step = max(align, int(round(step / align)) * align) if align > 1 else step
         lim = {"attn": list(budget.limits("attn")), "mlp": [(m // step) * step for m in budget.limits("mlp")]}
-        return cls(budget, step, lim)
+        return cls(budget, step, lim, fixed_attn)
 
     def cost(self, levels: Levels) -> int:
         """Unit parameters the assignment removes."""
@@ -177,7 +183,7 @@ class LevelSpace:
         """1..moves level moves: equal-cost swaps inside a kind, or a GQA group traded against the MLP (repaired)."""
         lv = {k: list(v) for k, v in levels.items()}
         for _ in range(rng.randint(1, moves)):
-            kind = "mlp" if not any(self.limits["attn"]) or rng.random() < 0.5 else "attn"
+            kind = "mlp" if self.fixed_attn or not any(self.limits["attn"]) or rng.random() < 0.5 else "attn"
             unit = self.step if kind == "mlp" else 1
             ups = [i for i in range(len(lv[kind])) if lv[kind][i] + unit <= self.limits[kind][i]]
             downs = [i for i in range(len(lv[kind])) if lv[kind][i] >= unit]
@@ -395,13 +401,58 @@ def seed_levels(space: LevelSpace, scores, plans: dict[str, Removed] | None = No
     return {k: v for k, v in out.items() if v is not None}
 
 
+def served_seeds(space: LevelSpace, scores, align: int, plans: dict[str, Removed] | None = None
+                 ) -> tuple[dict[str, Levels], list[dict]]:
+    """The first generation under the served layout: for each kept group count, the served allocation's best
+    layout (`served.best_per_count`), and its attention with the MLP widths of uniform, global and `plans`;
+    with the served candidates (their report)."""
+    free = seed_levels(space, scores, plans)
+    cands = served_layout.best_per_count(served_layout.candidates(scores, space.budget, align))
+    out: dict[str, Levels] = {}
+    for c in cands:
+        attn = counts_of(c["_removed"])["attn"]
+        name = f"g{c['groups_kept']}" + (f"-{len(c['attention_removed_layers'])}" if c["attention_removed_layers"]
+                                         else "")
+        out[f"served {name}"] = space.snap(counts_of(c["_removed"]))
+        for seed, lv in free.items():
+            out[f"{seed} {name}"] = space.snap({"attn": attn, "mlp": lv["mlp"]})
+    return {k: v for k, v in out.items() if v is not None}, [
+        {k: v for k, v in c.items() if k != "_removed"} for c in cands]
+
+
+def uniform_seeds(space: LevelSpace, scores, align: int) -> tuple[dict[str, Levels], list[dict]]:
+    """Every uniform shape meeting the budget (`stock.candidates`) as an assignment, with the candidates."""
+    budget = space.budget
+    cands = stock_shape.candidates(scores, budget, align)
+    n_c = budget.n_chans[0]
+    out = {f"groups_removed={c['groups_removed_per_layer']}": {
+        "attn": [c["groups_removed_per_layer"]] * budget.num_layers,
+        "mlp": [n_c - c["intermediate_size"]] * budget.num_layers} for c in cands}
+    return out, cands
+
+
+def pick_best(fitness: Callable[[Levels, int], float], seeds: dict[str, Levels], final: int) -> SearchResult:
+    """The seed of least KL on the `final` sequences (the uniform shapes: a short list, no evolution)."""
+    t0 = time.perf_counter()
+    kl = {name: fitness(lv, final) for name, lv in progress(list(seeds.items()), "uniform shape search",
+                                                            unit="shape")}
+    best = min(kl, key=lambda k: (kl[k], k))
+    return SearchResult(seeds[best], kl[best], kl, [{"generation": 0, "kl": kl[best],
+                                                      "seconds": time.perf_counter() - t0}],
+                        {"search": time.perf_counter() - t0})
+
+
 def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget, scores, settings,
                options: SearchOptions, state_dir: Path | None = None, plans: dict[str, Removed] | None = None,
-               db: LevelsDatabase | None = None, reduce_sum: ReduceSum | None = None,
-               ) -> tuple[Removed, SearchResult, LevelsDatabase]:
-    """Levels database (built or loaded from `state_dir`), the search, and the final removal. Under DDP
-    (`reduce_sum`) the Grams and every fitness are summed over ranks, so all ranks take the same steps."""
-    space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels)
+               db: LevelsDatabase | None = None, reduce_sum: ReduceSum | None = None, shape: Shape = Shape.FREE,
+               ) -> tuple[Removed, SearchResult, LevelsDatabase, dict[str, Any]]:
+    """Levels database (built or loaded from `state_dir`), the search, and the final removal, with what the
+    shape adds to plan.meta. Under DDP (`reduce_sum`) the Grams and every fitness are summed over ranks, so all
+    ranks take the same steps.
+
+    `shape`: FREE searches every sub-block's level; SERVED (export.format: nemotron_nas) starts from the served
+    layouts (one kept group count) and moves MLP levels only; UNIFORM (stock) measures every uniform shape."""
+    space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels, fixed_attn=shape is Shape.SERVED)
     t0 = time.perf_counter()
     if db is None:
         path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
@@ -417,13 +468,38 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                 db.save(path)
     t_db = time.perf_counter() - t0
     fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]), reduce_sum=reduce_sum)
-    seeds = seed_levels(space, scores, plans)
-    # One state file per order and budget: a state of another search is never resumed from.
-    state = state_dir / f"search_state_{options.order}_{budget.target}.pt" if state_dir is not None else None
-    result = evolve(space, fitness, seeds, options, state)
+    align = settings.align_channels
+    extra: dict[str, Any] = {}
+    if shape is Shape.UNIFORM:
+        seeds, cands = uniform_seeds(space, scores, align)
+        result = pick_best(fitness, seeds, options.stages[-1])
+        k = result.levels["attn"][0]
+        extra = {"uniform_shape": True, "stock_shapes": {
+            "candidates": [{**c, "kl": result.seeds[f"groups_removed={c['groups_removed_per_layer']}"]}
+                           for c in cands], "chosen": k, "chosen_by": "search_kl"}}
+        removed = space.removed(result.levels, db)  # one shape in every layer: no channel is given back
+    else:
+        if shape is Shape.SERVED:
+            seeds, cands = served_seeds(space, scores, align, plans)
+        else:
+            seeds = seed_levels(space, scores, plans)
+        # One state file per order, shape and budget: a state of another search is never resumed from.
+        tag = "" if shape is Shape.FREE else f"_{shape.name.lower()}"
+        state = (state_dir / f"search_state_{options.order}{tag}_{budget.target}.pt" if state_dir is not None
+                 else None)
+        result = evolve(space, fitness, seeds, options, state)
+        removed = finish(space, result.levels, db, align)
+        if shape is Shape.SERVED:
+            attn = result.levels["attn"]
+            n_g = budget.n_groups[0]
+            kept = sorted({n_g - a for a in attn if a < n_g})
+            extra = {"served_layout": True, "served_shapes": {
+                "candidates": cands, "chosen_by": "search_kl",
+                "chosen": {"groups_kept": kept[0] if kept else 0,
+                           "attention_removed_layers": [i for i, a in enumerate(attn) if a >= n_g]}}}
     result.times_s = {"database": t_db, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
-    return finish(space, result.levels, db, settings.align_channels), result, db
+    return removed, result, db, extra
 
 
 @dataclass
@@ -432,6 +508,7 @@ class SearchMeasured:
 
     removed: Removed
     result: SearchResult
+    extra: dict[str, Any] = field(default_factory=dict)  # what the shape adds to plan.meta (stock/served report)
 
     def as_dict(self) -> dict[str, Any]:
         """plan.meta["search"]: KL reached and the seeds', trajectory, phase times, the levels chosen."""
@@ -443,17 +520,19 @@ def measure_search(inp) -> SearchMeasured:
     options = inp.options if inp.options is not None else SearchOptions()
     state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
     plans = options.seed_plans()
-    if options.seed_calibrated and "calibrated" not in plans:
+    if options.seed_calibrated and "calibrated" not in plans and inp.shape is not Shape.UNIFORM:
         plans["calibrated"] = calibrated_removal(inp)
     # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
     batches = inp.calibration or inp.batches
-    removed, result, _ = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
-                                    state_dir, plans=plans, reduce_sum=inp.reduce_sum)
-    return SearchMeasured(removed, result)
+    removed, result, _, extra = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
+                                           state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape)
+    return SearchMeasured(removed, result, extra)
 
 
 def allocate_search(inp) -> Removal:
-    """Shape.FREE: the removal the search measured (already within one channel of the target: exact)."""
+    """Every shape: the removal the search measured under the run's shape (already within the shape's budget
+    window: exact), with the stock / served report the shape adds."""
     if inp.measured is None:
         raise ValueError("allocation 'search' needs its measurement (measure_search) before allocate")
-    return Removal({k: [set(s) for s in v] for k, v in inp.measured.removed.items()}, exact=True)
+    return Removal({k: [set(s) for s in v] for k, v in inp.measured.removed.items()},
+                   extra=dict(inp.measured.extra), exact=True)
