@@ -22,6 +22,7 @@ from torch import nn
 
 from prunelight.allocation import Budget, Shape, allocation_of
 from prunelight.importance import UnitScores
+from prunelight.levels import cut_with_levels
 from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
@@ -135,10 +136,15 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         if before_surgery is not None:
             before_surgery()
         t0 = time.perf_counter()
-        figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)  # layer by layer, each repaired
+        # A search's levels database already holds the repair of its plan; else fit layer by layer, each repaired.
+        figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum)
+                   if plan.levels is not None else None)
+        if figures is None:
+            figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)
         result.reconstruction = figures if settings.reconstruct != "none" else None
         result.cut = True
         result.times_s["surgery"] = time.perf_counter() - t0
+    plan.levels = None  # the database (Grams of every layer) is not kept through recovery
     return result
 
 

@@ -227,3 +227,72 @@ def load_database(path: Path, model: nn.Module, key: dict[str, Any]) -> LevelsDa
         entry = data["blocks"][f"{kind}:{i}"]
         blocks[(kind, i)] = SubBlock(list(entry["order"]), cols, entry["gram"].to(w.device), w)
     return LevelsDatabase(blocks, data["order"], data["ridge"], data["tokens"], data["key"])
+
+
+def repair_method(order: str) -> str:
+    """The `prune.reconstruct` whose weights a database of this order holds."""
+    return "obs" if order == "obs" else "least_squares"
+
+
+def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batches, reduce_sum: ReduceSum | None = None,
+                    ) -> dict[str, Any] | None:
+    """Cut `model` in place to `plan`, writing the database's refitted columns instead of fitting them again.
+
+    Returns the reconstruction figures (as `reconstruct.cut_and_reconstruct` reports them), or None, with nothing
+    changed, when the database does not hold this repair: another `prune.reconstruct` or ridge, fits on pruned
+    inputs, other calibration tokens (`prune.max_calibration_batches`), dropped layers, or a sub-block whose removed
+    units are not the first of its order. The weights are the same either way (`tests/test_search.py`).
+    """
+    import time
+
+    from prunelight.reconstruct import FIT_INPUTS
+    from prunelight.surgery import apply_plan, layer_cuts
+
+    t0 = time.perf_counter()
+    tokens = sum(b.numel() for b in list(batches)[: settings.max_calibration_batches])
+    if reduce_sum is not None:
+        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
+    if (settings.reconstruct != repair_method(db.order) or settings.reconstruct_ridge != db.ridge
+            or FIT_INPUTS != "dense" or tokens != db.key.get("tokens") or plan.drop_layers):
+        return None
+    base = unwrap(model)
+    shapes = get_family(base).layer_shapes(base)
+    removed: dict[tuple[str, int], int] = {}
+    for i, (lp, shape) in enumerate(zip(plan.layers, shapes)):
+        for kind, keep in layer_cuts(lp, shape):
+            b = db.blocks.get((kind, i))
+            gone = set(range(b.units)) - set(keep) if b is not None else None
+            if b is None or gone != set(b.order[:len(gone)]) or len(gone) > len(b.order):
+                return None
+            removed[(kind, i)] = len(gone)
+    family = get_family(base)
+    figures: list[dict[str, Any]] = []
+
+    def cut_layer(i: int, layer: nn.Module, shape, cuts) -> None:
+        for kind, keep in cuts:
+            b = db.blocks[(kind, i)]
+            w_full = db.weight_at(kind, i, removed[(kind, i)])  # zero columns where units went
+            family.cut_sub_block(layer, base.config, shape, kind, keep)
+            if not keep:
+                continue
+            proj = output_proj(family, layer, kind)
+            with torch.no_grad():
+                proj.weight.copy_(w_full[:, b.columns[keep].reshape(-1).to(w_full.device)].to(proj.weight.dtype))
+            g, w = b.gram.double(), b.weight.double()
+            kept_cols = b.columns[keep].reshape(-1)
+            stats = stats_from_gram(b.weight, b.gram, kept_cols, db.tokens, b.wg)
+            d = w_full.double() - w
+            yy = float(stats.yy)
+            figures.append({"layer": i, "kind": kind, "kept": len(keep),
+                            "rel_err_before": float(stats.err0) / yy if yy > 0 else 0.0,
+                            "rel_err_after": max(float((d @ g * d).sum()), 0.0) / yy if yy > 0 else 0.0})
+
+    with torch.no_grad():
+        apply_plan(base, plan, cut_layer, desc=f"cut ({settings.reconstruct}, refits from the levels database)")
+
+    def mean(key: str) -> float | None:
+        return sum(f[key] for f in figures) / len(figures) if figures else None
+
+    return {"method": settings.reconstruct, "inputs": "dense", "tokens": db.tokens, "from": "levels_database",
+            "rel_err_before_mean": mean("rel_err_before"), "rel_err_after_mean": mean("rel_err_after"),
+            "sub_blocks": figures, "ridge": db.ridge, "time_s": time.perf_counter() - t0}

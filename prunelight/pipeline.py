@@ -88,6 +88,7 @@ def make_plan(
                     shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, measured=measured)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
+    plan.levels = getattr(measured, "levels", None)  # a search's refits: the cut writes them (levels.cut_with_levels)
     if saved is not None:
         plan.meta["scores_source"] = saved.source
     if layer_measured:

@@ -289,3 +289,48 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
         rows["search"]["times_s"])
     assert "stock" in rows["search"]["search"]["seeds_kl"]  # the stock plan seeds the search
     assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
+
+
+@pytest.mark.parametrize("order", ["criterion", "obs"])
+def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order):
+    """The cut of a search plan takes its repair from the levels database: the same model as fitting it again
+    (`reconstruct.cut_and_reconstruct`), the same figures; another repair than the database's is fitted as usual."""
+    import copy
+
+    from prunelight.levels import cut_with_levels
+    from prunelight.pipeline import make_plan
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
+    method = "obs" if order == "obs" else "least_squares"
+    settings = settings_of(0.25, criterion="flap", allocation="search", reconstruct=method, allocation_args={
+        "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "order": order})
+    plan, _ = make_plan(model, _batches(), settings)
+    assert plan.levels is not None and plan.levels.order == order
+    fast, slow = copy.deepcopy(model), copy.deepcopy(model)
+    other = copy.deepcopy(plan)
+    figures = cut_with_levels(fast, plan, plan.levels, settings, _batches())
+    fitted = cut_and_reconstruct(slow, other, _batches(), settings)
+    assert figures is not None and figures["from"] == "levels_database"
+    assert [lp.keep_channels for lp in plan.layers] == [lp.keep_channels for lp in other.layers]
+    ids = torch.cat(_batches(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, slow(ids).logits, rtol=1e-4, atol=1e-4)
+    assert figures["rel_err_after_mean"] == pytest.approx(fitted["rel_err_after_mean"], rel=1e-3, abs=1e-6)
+    assert figures["rel_err_before_mean"] == pytest.approx(fitted["rel_err_before_mean"], rel=1e-3, abs=1e-6)
+    # the database holds one repair: another method or fewer calibration tokens are fitted as usual
+    untouched = copy.deepcopy(model)
+    assert cut_with_levels(untouched, plan, plan.levels, settings_of(0.25, reconstruct="bias"), _batches()) is None
+    assert cut_with_levels(untouched, plan, plan.levels, settings, _batches(2)) is None
+    assert untouched.config.intermediate_size == 64 and untouched.model.layers[0].mlp.down_proj.in_features == 64
+
+
+def test_prune_with_search_cuts_from_the_database_and_forgets_it():
+    import prunelight
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    args = {"generations": 1, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8}
+    from prunelight.cut import run_cut
+
+    result = run_cut(model, _batches(), prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2,
+                                                                allocation_args=args))
+    assert result.reconstruction["from"] == "levels_database" and result.plan.levels is None

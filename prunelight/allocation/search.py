@@ -509,6 +509,7 @@ class SearchMeasured:
     removed: Removed
     result: SearchResult
     extra: dict[str, Any] = field(default_factory=dict)  # what the shape adds to plan.meta (stock/served report)
+    levels: LevelsDatabase | None = None  # its refits are the cut's repair (make_plan hands it to the plan)
 
     def as_dict(self) -> dict[str, Any]:
         """plan.meta["search"]: KL reached and the seeds', trajectory, phase times, the levels chosen."""
@@ -524,9 +525,9 @@ def measure_search(inp) -> SearchMeasured:
         plans["calibrated"] = calibrated_removal(inp)
     # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
     batches = inp.calibration or inp.batches
-    removed, result, _, extra = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
-                                           state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape)
-    return SearchMeasured(removed, result, extra)
+    removed, result, db, extra = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
+                                            state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape)
+    return SearchMeasured(removed, result, extra, db)
 
 
 def allocate_search(inp) -> Removal:
