@@ -90,6 +90,39 @@ def test_kl_fitness_is_zero_for_the_dense_levels_and_grows_with_removal():
     assert torch.allclose(ref, model(input_ids=rows[:2]).logits)
 
 
+def test_top_k_kl_is_a_lower_bound_that_is_exact_at_the_whole_vocabulary():
+    """kl_top_k coarsens both distributions to the dense top k plus one bucket: never above the full KL, equal to it
+    with k = vocabulary, and checked here against the formula computed by hand for one candidate."""
+    import torch.nn.functional as F
+
+    model, _, _, _, db = _setup()
+    rows = torch.cat(_batches())
+    cands = [{"attn": [0] * 3, "mlp": [m, 0, 0]} for m in (8, 24, 48)] + [{"attn": [1, 0, 0], "mlp": [0] * 3}]
+    full = KLFitness(model, db, rows)
+    whole = KLFitness(model, db, rows, top_k=model.config.vocab_size)
+    top = KLFitness(model, db, rows, top_k=8)
+    for lv in cands:
+        exact = full(lv, 8)
+        assert whole(lv, 8) == pytest.approx(exact, rel=1e-6)
+        assert 0 < top(lv, 8) <= exact + 1e-9
+    lv = cands[2]  # by hand: dense and candidate log-probabilities, top 8 of the dense, one bucket for the rest
+    with torch.no_grad():
+        p = F.log_softmax(model(input_ids=rows[:4]).logits[:, :-1].float(), -1)
+        for key, proj in top.projs.items():
+            if lv[key[0]][key[1]]:
+                proj.weight.data = db.weight_at(key[0], key[1], lv[key[0]][key[1]])
+        q = F.log_softmax(model(input_ids=rows[:4]).logits[:, :-1].float(), -1)
+        for key, proj in top.projs.items():
+            proj.weight.data = top.dense_w[key]
+    tp, idx = p.double().topk(8, -1)
+    tq = q.double().gather(-1, idx)
+    pr, qr = 1 - tp.exp().sum(-1), 1 - tq.exp().sum(-1)
+    by_hand = (tp.exp() * (tp - tq)).sum(-1) + pr * (pr.log() - qr.log())
+    assert top(lv, 4) == pytest.approx(float(by_hand.mean()), rel=1e-3)
+    with pytest.raises(ValueError, match="kl_top_k=0"):
+        SearchOptions(kl_top_k=0)
+
+
 def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
     model, settings, budget, scores, _ = _setup()
     opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
