@@ -245,7 +245,7 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
     """
     import time
 
-    from prunelight.reconstruct import FIT_INPUTS
+    from prunelight.reconstruct import FIT_INPUTS, summary
     from prunelight.surgery import apply_plan, layer_cuts
 
     t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
         for kind, keep in layer_cuts(lp, shape):
             b = db.blocks.get((kind, i))
             gone = set(range(b.units)) - set(keep) if b is not None else None
-            if b is None or gone != set(b.order[:len(gone)]) or len(gone) > len(b.order):
+            if b is None or gone != set(b.order[:len(gone)]):
                 return None
             removed[(kind, i)] = len(gone)
     family = get_family(base)
@@ -275,13 +275,13 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
             family.cut_sub_block(layer, base.config, shape, kind, keep)
             if not keep:
                 continue
+            kept_cols = b.columns[keep].reshape(-1).to(w_full.device)
             proj = output_proj(family, layer, kind)
             with torch.no_grad():
-                proj.weight.copy_(w_full[:, b.columns[keep].reshape(-1).to(w_full.device)].to(proj.weight.dtype))
-            g, w = b.gram.double(), b.weight.double()
-            kept_cols = b.columns[keep].reshape(-1)
-            stats = stats_from_gram(b.weight, b.gram, kept_cols, db.tokens, b.wg)
-            d = w_full.double() - w
+                proj.weight.copy_(w_full[:, kept_cols].to(proj.weight.dtype))
+            stats = stats_from_gram(b.weight, b.gram, kept_cols, db.tokens, b.wg)  # the cut alone: err0, Σ||y||²
+            d = w_full.double() - b.weight.double()
+            g = b.gram.double()
             yy = float(stats.yy)
             figures.append({"layer": i, "kind": kind, "kept": len(keep),
                             "rel_err_before": float(stats.err0) / yy if yy > 0 else 0.0,
@@ -289,10 +289,5 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
 
     with torch.no_grad():
         apply_plan(base, plan, cut_layer, desc=f"cut ({settings.reconstruct}, refits from the levels database)")
-
-    def mean(key: str) -> float | None:
-        return sum(f[key] for f in figures) / len(figures) if figures else None
-
-    return {"method": settings.reconstruct, "inputs": "dense", "tokens": db.tokens, "from": "levels_database",
-            "rel_err_before_mean": mean("rel_err_before"), "rel_err_after_mean": mean("rel_err_after"),
-            "sub_blocks": figures, "ridge": db.ridge, "time_s": time.perf_counter() - t0}
+    out = summary(settings.reconstruct, "dense", db.tokens, figures, time.perf_counter() - t0, db.ridge)
+    return {**out, "from": "levels_database"}

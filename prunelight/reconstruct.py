@@ -426,15 +426,19 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
 
 def _summary(job: _Job, inputs: str, seconds: float) -> dict[str, Any]:
     """The run-record figures of a reconstruction."""
-    figs = job.figures
+    return summary(job.method, inputs, job.tokens, job.figures, seconds, job.ridge)
 
+
+def summary(method: str, inputs: str, tokens: int, figs: list[dict[str, Any]], seconds: float,
+            ridge: float) -> dict[str, Any]:
+    """The run-record figures of a repair from its per-sub-block errors (also `levels.cut_with_levels`')."""
     def mean(key: str) -> float | None:
         return sum(f[key] for f in figs) / len(figs) if figs else None
 
-    out = {"method": job.method, "inputs": inputs, "tokens": job.tokens,
+    out = {"method": method, "inputs": inputs, "tokens": tokens,
            "rel_err_before_mean": mean("rel_err_before"), "rel_err_after_mean": mean("rel_err_after"),
            "sub_blocks": figs, "time_s": seconds}
-    if job.method in ("least_squares", "obs"):
-        out["ridge"] = job.ridge
+    if method in ("least_squares", "obs"):
+        out["ridge"] = ridge
     return out
 
