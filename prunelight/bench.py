@@ -254,6 +254,23 @@ def zeroshot_result(model: nn.Module, tokenizer: Any, data_dir: str | Path, limi
             "lm_eval": res["lm_eval_version"], "seconds": time.perf_counter() - t0}
 
 
+def zeroshot_table(entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Markdown lines of a zero-shot table, one row per (label, `zeroshot_result`): acc per task and the average in %,
+    ± binomial standard error, the average with acc_norm where defined, and a note on how the errors are made."""
+    tasks = list(entries[0][1]["tasks"])
+    lines = ["| model | " + " | ".join(tasks) + " | average | average, acc_norm where defined |",
+             "|---|" + "---:|" * (len(tasks) + 2)]
+    for label, z in entries:
+        norm = [t.get("acc_norm", t["acc"]) for t in z["tasks"].values()]
+        lines.append(f"| {label} | " + " | ".join(f"{100 * z['tasks'][t]['acc']:.1f} ± "
+                                                  f"{100 * z['tasks'][t]['stderr']:.1f}" for t in tasks)
+                     + f" | **{100 * z['average']:.1f} ± {100 * z['average_stderr']:.1f}** | "
+                     f"{100 * sum(norm) / len(norm):.1f} |")
+    return lines + ["", f"acc per task (acc_norm only in the last column), lm-eval {entries[0][1]['lm_eval']} on the "
+                    "local sets of ../shared/data/zeroshot; standard error sqrt(acc (1 - acc) / (n - 1)) per task, "
+                    f"and sqrt(sum of the tasks' variances) / {len(tasks)} for the average."]
+
+
 def cut_copy(model: nn.Module, settings: PruneSettings, calibration: Sequence[torch.Tensor] | None = None,
              scores: Any = None, export_format: str = "auto") -> tuple[nn.Module, Any, float]:
     """A cut copy of `model` (the run's cut: `prunelight.prune`), its plan and the seconds the cut took."""

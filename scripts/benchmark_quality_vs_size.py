@@ -368,10 +368,6 @@ def _cell(row: dict | None, key: str, dense: float | None) -> str:
     return text
 
 
-def _zs(task: dict) -> str:
-    return f"{100 * task['acc']:.1f} ± {100 * task['stderr']:.1f}"
-
-
 def markdown_grid(meta: dict, rows: list[dict]) -> str:
     """Tables of a grid run: perplexity under both protocols (x dense), what the cut removed, zero-shot with errors."""
     ratios = meta["ratios"]
@@ -431,18 +427,8 @@ def markdown_grid(meta: dict, rows: list[dict]) -> str:
     zs = ([("dense", meta["dense_zeroshot"])] if "dense_zeroshot" in meta else []) + [
         (f"{r['method']} @ {r['target']:.0%}", r["zeroshot"]) for r in rows if "zeroshot" in r]
     if zs:
-        tasks = list(zs[0][1]["tasks"])
         lines += [f"### Zero-shot accuracy (%, ± binomial standard error), first {zs[0][1]['limit']} rows per task",
-                  "", "| model | " + " | ".join(tasks) + " | average | average, acc_norm where defined |",
-                  "|---|" + "---:|" * (len(tasks) + 2)]
-        for label, z in zs:
-            norm = [t.get("acc_norm", t["acc"]) for t in z["tasks"].values()]
-            lines.append(f"| {label} | " + " | ".join(_zs(z["tasks"][t]) for t in tasks)
-                         + f" | **{100 * z['average']:.1f} ± {100 * z['average_stderr']:.1f}** | "
-                         f"{100 * sum(norm) / len(norm):.1f} |")
-        lines += ["", f"acc per task (acc_norm only in the last column), lm-eval {zs[0][1]['lm_eval']} on the local "
-                  "sets of ../shared/data/zeroshot; standard error sqrt(acc (1 - acc) / (n - 1)) per task, and "
-                  "sqrt(sum of the tasks' variances) / 7 for the average.", ""]
+                  "", *bench.zeroshot_table(zs), ""]
     peers = [r for r in rows if r.get("kind") == "peer"]
     if peers:
         lines += [f"Torch-Pruning ({meta.get('peer')}) runs the own protocol only; its failures are quoted as raised.",

@@ -141,14 +141,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         (f"{r['row']}" + (f" ({r['variant']})" if r.get("variant") else "") + f" @ {r['ratio']:g}", r["zeroshot"])
         for r in rows if "zeroshot" in r]
     if zs:
-        tasks = list(zs[0][1]["tasks"])
-        out += [f"Zero-shot accuracy, first {zs[0][1]['limit']} rows of each set (../shared/data/zeroshot; standard "
-                "error sqrt(acc (1 - acc) / (n - 1)) per set):", "",
-                "| model | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
-        for name, z in zs:
-            out.append(f"| {name} | " + " | ".join(f"{z['tasks'][t]['acc']:.3f}" for t in tasks)
-                       + f" | {z['average']:.3f} ± {z['average_stderr']:.3f} |")
-        out.append("")
+        out += [f"Zero-shot accuracy (%, ± binomial standard error), first {zs[0][1]['limit']} rows of each set:", "",
+                *bench.zeroshot_table(zs), ""]
     return "\n".join(out)
 
 

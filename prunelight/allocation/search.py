@@ -280,18 +280,17 @@ class KLFitness:
             self.dense = [self._dense(self._logp(chunk)) for chunk in torch.split(self.seqs, batch)]
         self.forwards = 0  # sequences run
 
-    def _dense(self, logp: torch.Tensor):
-        """What is kept of the dense log-probabilities: all of them, or the top k with their indices."""
+    def _dense(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What is kept of the dense log-probabilities: all of them (indices None), or the top k and their indices."""
         if self.top_k is None or self.top_k >= logp.shape[-1]:
-            return logp
-        top, idx = logp.topk(self.top_k, dim=-1)
-        return top, idx
+            return logp, None
+        return logp.topk(self.top_k, dim=-1)
 
-    def _kl(self, dense, logp: torch.Tensor) -> float:
-        """Summed KL(dense || candidate) over the chunk's positions."""
-        if isinstance(dense, torch.Tensor):
-            return float((dense.exp() * (dense - logp)).sum())
-        top, idx = dense
+    @staticmethod
+    def _kl(top: torch.Tensor, idx: torch.Tensor | None, logp: torch.Tensor) -> float:
+        """Summed KL(dense || candidate) over the chunk's positions (`idx` None: the whole distribution)."""
+        if idx is None:
+            return float((top.exp() * (top - logp)).sum())
         q = logp.gather(-1, idx)
         p_rest = (1 - top.exp().sum(-1)).clamp_min(0).double()
         q_rest = (1 - q.exp().sum(-1)).clamp_min(1e-30).double()
@@ -315,10 +314,9 @@ class KLFitness:
             total, tokens = 0.0, 0
             for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
                 logp = self._logp(chunk)
-                d = self.dense[b]
-                dense = d[: chunk.shape[0]] if isinstance(d, torch.Tensor) else (d[0][: chunk.shape[0]],
-                                                                                  d[1][: chunk.shape[0]])
-                total += self._kl(dense, logp)
+                top, idx = self.dense[b]
+                n = chunk.shape[0]
+                total += self._kl(top[:n], None if idx is None else idx[:n], logp)
                 tokens += logp.shape[0] * logp.shape[1]
                 self.forwards += chunk.shape[0]
             if self.reduce_sum is not None:
