@@ -11,8 +11,9 @@ projection's inputs over the calibration tokens of the *dense* model (fp32); the
 demand, the kept o_proj / down_proj columns refitted by the least-squares fit `prune.reconstruct` uses, and cached
 (`weight_at`). With dense inputs the targets are y = W x, so every statistic of `reconstruct.least_squares_fit`
 follows from G alone (`stats_from_gram`): a level's weights are exactly what `reconstruct: least_squares` writes
-when that sub-block is cut to that level. With order `obs` the refit is OBS's final update (damping from the full
-Gram, `reconstruct: obs`). SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
+when that sub-block is cut to that level. The database's `repair` says which refit it holds (`repair_for`): with
+order `obs` and `reconstruct: obs` it is OBS's final update (damping from the full Gram); otherwise least_squares
+(with order `obs` the units are OBS's greedy choice, refitted as `reconstruct: least_squares` refits them). SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
 
 The database is saved (`save` / `load`, a torch file with a key of the model's sizes, the criterion, the order and
 the calibration tokens), so other ratios and later runs reuse it as they reuse saved scores.
@@ -36,6 +37,7 @@ from prunelight.obs import damping, greedy_removal
 from prunelight.reconstruct import FitStats, ReduceSum, least_squares_fit, output_proj
 
 ORDERS = ("criterion", "obs")
+REPAIRS = ("least_squares", "obs")  # the refits a database can hold
 KINDS = ("attn", "mlp")
 
 
@@ -108,6 +110,7 @@ class LevelsDatabase:
     ridge: float
     tokens: int
     key: dict[str, Any] = field(default_factory=dict)
+    repair: str = "least_squares"  # the `prune.reconstruct` whose weights it holds (`repair_for`)
     cache_bytes: int = 1 << 29  # derived weights kept (least recently used first out)
     build_s: float = 0.0
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -139,7 +142,7 @@ class LevelsDatabase:
     def _refit(self, b: SubBlock, cols: torch.Tensor) -> torch.Tensor:
         stats = stats_from_gram(b.weight, b.gram, cols, self.tokens, b.wg)
         w_k = b.weight[:, cols]
-        if self.order == "obs":  # OBS's final update: the damping of the full Gram (reconstruct: obs)
+        if self.repair == "obs":  # OBS's final update: the damping of the full Gram (reconstruct: obs)
             lam = damping(b.gram, self.ridge)
             mean_k = float(stats.gram.diagonal().double().mean())
             ridge = lam / mean_k if mean_k > 0 else self.ridge
@@ -159,7 +162,7 @@ class LevelsDatabase:
 
 def database_key(model: nn.Module, criterion: str, order: str, tokens: int) -> dict[str, Any]:
     """What a saved database is valid for: the model's layer sizes and a weight fingerprint, criterion, order,
-    calibration tokens."""
+    calibration tokens (not the repair: a level's refit is derived from the Gram on demand, for either repair)."""
     base = unwrap(model)
     family = get_family(base)
     shapes = family.layer_shapes(base)
@@ -183,13 +186,16 @@ def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
 
 def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitScores, limits: dict[str, list[int]],
                    order: str = "criterion", ridge: float = 1e-2, criterion: str = "",
-                   reduce_sum: ReduceSum | None = None) -> LevelsDatabase:
+                   reduce_sum: ReduceSum | None = None, repair: str = "least_squares") -> LevelsDatabase:
     """Grams from one dense pass (summed over ranks with `reduce_sum`, so every rank holds the same database), then
     each sub-block's removal order up to `limits[kind][layer]` units."""
     import time
 
     if order not in ORDERS:
         raise ValueError(f"levels order={order!r} is not allowed: use one of {', '.join(ORDERS)}")
+    if repair not in REPAIRS or (repair == "obs" and order != "obs"):
+        raise ValueError(f"levels repair={repair!r} is not allowed with order {order!r}: use least_squares, or obs "
+                         "with order obs")
     t0 = time.perf_counter()
     grams, tokens = input_grams(model, batches)
     if reduce_sum is not None:
@@ -206,13 +212,14 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
             s = scores[kind][i].float()
             seq = sorted(range(n), key=lambda j: (float(s[j]), j))[:lim]
         blocks[(kind, i)] = SubBlock(list(seq), cols, g, w)
-    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, criterion, order, tokens))
+    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, criterion, order, tokens), repair=repair)
     db.build_s = time.perf_counter() - t0
     return db
 
 
-def load_database(path: Path, model: nn.Module, key: dict[str, Any]) -> LevelsDatabase | None:
-    """A saved database when its key matches `key` (else None: it is rebuilt)."""
+def load_database(path: Path, model: nn.Module, key: dict[str, Any], repair: str = "least_squares",
+                  ) -> LevelsDatabase | None:
+    """A saved database when its key matches `key` (else None: it is rebuilt), deriving `repair`'s refits."""
     if not path.is_file():
         return None
     data = torch.load(path, weights_only=False)
@@ -226,12 +233,13 @@ def load_database(path: Path, model: nn.Module, key: dict[str, Any]) -> LevelsDa
     for kind, i, cols, w in _dense_blocks(model, grams):
         entry = data["blocks"][f"{kind}:{i}"]
         blocks[(kind, i)] = SubBlock(list(entry["order"]), cols, entry["gram"].to(w.device), w)
-    return LevelsDatabase(blocks, data["order"], data["ridge"], data["tokens"], data["key"])
+    return LevelsDatabase(blocks, data["order"], data["ridge"], data["tokens"], data["key"], repair=repair)
 
 
-def repair_method(order: str) -> str:
-    """The `prune.reconstruct` whose weights a database of this order holds."""
-    return "obs" if order == "obs" else "least_squares"
+def repair_for(order: str, reconstruct: str) -> str:
+    """The refit a database of this order holds for a run repairing with `reconstruct`: OBS's update when both are
+    obs (the cut then chooses the same units again), else least_squares (what the other repairs are measured by)."""
+    return "obs" if order == "obs" and reconstruct == "obs" else "least_squares"
 
 
 def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batches, reduce_sum: ReduceSum | None = None,
@@ -252,7 +260,7 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
     tokens = sum(b.numel() for b in list(batches)[: settings.max_calibration_batches])
     if reduce_sum is not None:
         tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
-    if (settings.reconstruct != repair_method(db.order) or settings.reconstruct_ridge != db.ridge
+    if (settings.reconstruct != db.repair or settings.reconstruct_ridge != db.ridge
             or FIT_INPUTS != "dense" or tokens != db.key.get("tokens") or plan.drop_layers):
         return None
     base = unwrap(model)

@@ -163,7 +163,7 @@ def settings_of(ratio: float = 0.2, **options):
     """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`).
 
     The allocation is `global` unless given: allocation tests hand `allocate` scores directly, with no probes for
-    the default (calibrated) to rescale them by."""
+    calibrated to rescale them by, and no search."""
     from prunelight.settings import LayerRates, PruneSettings
 
     options.setdefault("allocation", "global")

@@ -11,7 +11,9 @@ windows; calibration --samples x --seq-len tokens of --calibration), no recovery
 - ``search_obs``: the same with structured OBS's order and `reconstruct: obs`.
 - ``search_stock`` / ``search_served``: search_obs cut for `export.format: stock` (every uniform shape measured) /
   `nemotron_nas` (the served layouts' search: one kept group count, per-layer MLP widths).
-- ``default``: flap + calibrated + least_squares (the shipped default; its probes are the slow part).
+- ``default``: the library's defaults at the ratio (`prunelight.PruneSettings(ratio=...)`: flap, search with OBS's
+  order, least_squares), the levels database kept in --state-dir so later ratios read it back.
+- ``calibrated``: flap + calibrated + least_squares (the default before search; its probes are the slow part).
 - ``global``, ``layerwise``, ``blockwise_removal`` (blockwise with `block_importance: removal`), ``depth``: the
   library's defaults with that allocation.
 
@@ -41,12 +43,12 @@ import prunelight
 from prunelight import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("stock", "search", "search_obs", "search_stock", "search_served", "default", "global", "layerwise",
-        "blockwise_removal", "depth")
+ROWS = ("stock", "search", "search_obs", "search_stock", "search_served", "default", "calibrated", "global",
+        "layerwise", "blockwise_removal", "depth")
 # the search rows under a shape constraint (OBS's order, as search_obs): the export format they are cut for
 SHAPED_SEARCH = {"search_stock": "stock", "search_served": "nemotron_nas"}
 # rows that are the library defaults with one allocation (and its option) changed
-ALLOCATION_ROWS = {"global": {"allocation": "global"}, "layerwise": {"allocation": "layerwise"},
+ALLOCATION_ROWS = {"calibrated": {"allocation": "calibrated"}, "global": {"allocation": "global"}, "layerwise": {"allocation": "layerwise"},
                    "blockwise_removal": {"allocation": "blockwise", "block_importance": "removal"},
                    "depth": {"allocation": "depth"}}
 
@@ -66,9 +68,15 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
         opts = {"ratio": ratio, **ALLOCATION_ROWS.get(kind, {})}
         if kind == "stock":
             opts.update(criterion="flap", reconstruct="least_squares", allocation="global", attn_mlp_split="auto")
+        if kind == "default":  # where the default search keeps its levels database (it serves every ratio)
+            opts["allocation_args"] = {"state_dir": str(state_dir)}
         pruned, plan, seconds = bench.cut_copy(model, prunelight.PruneSettings(**opts), calib,
                                                export_format="stock" if kind == "stock" else "auto")
         row["times_s"] = {"cut": seconds}
+        if "search" in plan.meta:  # scoring and the cut are the rest of the run's time
+            res = plan.meta["search"]
+            row["times_s"] = {**res["times_s"], "scoring and cut": seconds - sum(res["times_s"].values())}
+            row["search"] = {k: v for k, v in res.items() if k != "levels"}
         if kind == "stock":
             stock_removed[ratio] = {
                 "attn": [set(range(n)) - set(lp.keep_groups) for n, lp in zip(plan.num_groups, plan.layers)],
@@ -132,7 +140,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
             "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
             "OBS's order, reconstruct obs; search_stock / search_served = search_obs under export.format stock / "
-            "nemotron_nas; default = flap + calibrated + least_squares; global, layerwise, "
+            "nemotron_nas; default = the library's defaults (flap, search with OBS's order, least_squares); calibrated = "
+            "flap + calibrated + least_squares; global, layerwise, "
             "blockwise_removal (block_importance: removal) and depth = the defaults with that allocation. "
             "A database time near 0 s "
             "is the saved database of an earlier row read back (the database serves every ratio and variant). "

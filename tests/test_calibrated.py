@@ -153,10 +153,6 @@ def test_bad_calibrated_settings_fail_when_constructed():
     assert PruneSettings(allocation="calibrated", allocation_args={"reach": 2}).allocation_options.reach == 2.0
 
 
-def test_calibrated_is_the_default_allocation():
-    assert PruneSettings().allocation == "calibrated"
-
-
 def test_prune_only_run_with_calibrated_allocation(tmp_path, monkeypatch):
     """`prunelight fit` with allocation calibrated: the plan records its probes and meets the ratio."""
     import json

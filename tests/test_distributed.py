@@ -190,5 +190,5 @@ def test_search_allocation_under_ddp_gives_every_rank_the_same_plan(tmp_path):
     assert plans[0]["layers"] == plans[1]["layers"]
     assert plans[0]["meta"]["search"]["kl"] == plans[1]["meta"]["search"]["kl"]
     assert plans[0]["meta"]["allocation"] == "search" and plans[0]["meta"]["budget_error_params"] >= 0
-    db = torch.load(tmp_path / "run" / "levels_criterion.pt", weights_only=False)
+    db = torch.load(tmp_path / "run" / "levels_obs.pt", weights_only=False)
     assert db["tokens"] == SAMPLES * 32  # both ranks' calibration windows, not one rank's half

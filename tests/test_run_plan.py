@@ -102,7 +102,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_weights(no_weig
 def test_zero3_with_a_measuring_allocation_is_refused_from_the_config():
     """The default allocation's probes are masked forwards: ZeRO-3 is refused by the plan, naming the way out."""
     config = tiny_model().config
-    with pytest.raises(ValueError, match="ZeRO-3.*allocation=calibrated.*prune.allocation: global"):
+    with pytest.raises(ValueError, match="ZeRO-3.*allocation=search.*prune.allocation: global"):
         prepare_run(PruneSettings(reconstruct="none"), config=config, run=RunFacts(deepspeed=True, zero_stage=3))
     plan = prepare_run(settings_of(0.2, reconstruct="none"), config=config, run=RunFacts(deepspeed=True, zero_stage=3))
     assert plan.budget is not None and plan.row.name == "global"

@@ -21,6 +21,7 @@ from prunelight.allocation.search import (
 from prunelight.importance import build_criterion
 from prunelight.levels import build_database
 from prunelight.reconstruct import cut_and_reconstruct
+from prunelight.settings import PruneSettings
 from prunelight.testing import settings_of, tiny_model
 
 
@@ -123,6 +124,28 @@ def test_top_k_kl_is_a_lower_bound_that_is_exact_at_the_whole_vocabulary():
         SearchOptions(kl_top_k=0)
 
 
+def test_the_defaults_are_the_search_on_obs_levels_and_measured_block_removal():
+    """The allocation that was never worse than the uniform cut (docs/benchmarks.md) is the default, with the budget
+    it was measured with; blockwise ranks sub-blocks by measured removal (380x dense with unit scores on SmolLM2)."""
+    s = PruneSettings()
+    assert s.allocation == "search" and s.reconstruct == "least_squares" and s.block_importance == "removal"
+    opts = s.allocation_options
+    assert (opts.order, opts.generations, opts.offspring, opts.stages, opts.survivors) == ("obs", 12, 8, (2, 8, 32),
+                                                                                        (8, 2, 1))
+
+
+def test_kl_top_k_auto_keeps_the_whole_distribution_while_it_fits_in_a_gibibyte():
+    auto = SearchOptions()
+    assert auto.kl_top_k == "auto"
+    assert auto.top_k_for(32, 128, 49152) is None  # SmolLM2: 0.8 GB of dense log-probabilities
+    assert auto.top_k_for(32, 2048, 128256) == 256  # Llama-3 at 2048 tokens: 34 GB in full
+    assert auto.top_k_for(10**6, 128, 100) == 100  # never more than the vocabulary
+    assert SearchOptions(kl_top_k=None).top_k_for(32, 2048, 128256) is None
+    assert SearchOptions(kl_top_k=64).top_k_for(2, 8, 256) == 64
+    with pytest.raises(ValueError, match="kl_top_k='all'"):
+        SearchOptions(kl_top_k="all")
+
+
 def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
     model, settings, budget, scores, _ = _setup()
     opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
@@ -132,8 +155,9 @@ def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
     total = plan_params_removed(budget, build_plan(budget, removed))
     assert budget.target <= total < budget.target + budget.c_cost
     assert [t["kl"] for t in res.trajectory] == sorted((t["kl"] for t in res.trajectory), reverse=True)
-    assert (tmp_path / "levels_criterion.pt").is_file()
-    assert (tmp_path / f"search_state_criterion_{budget.target}.pt").is_file()
+    assert opts.order == "obs" and db.repair == "least_squares" == settings.reconstruct  # the defaults
+    assert (tmp_path / "levels_obs.pt").is_file()
+    assert (tmp_path / f"search_state_obs-least_squares_{budget.target}.pt").is_file()
 
 
 def test_search_resumes_from_its_state(tmp_path):
@@ -190,7 +214,7 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
                                               "state_dir": tmp_path / "ddp"}))
     assert twice.removed == measured.removed
     assert twice.result.kl == pytest.approx(measured.result.kl, rel=1e-9)
-    assert torch.load(tmp_path / "ddp" / "levels_criterion.pt", weights_only=False)["tokens"] == 2 * sum(
+    assert torch.load(tmp_path / "ddp" / "levels_obs.pt", weights_only=False)["tokens"] == 2 * sum(
         b.numel() for b in mi.calibration)
 
 
@@ -205,7 +229,7 @@ def test_the_database_reads_every_calibration_batch_and_the_probes_only_the_impo
             "state_dir": str(tmp_path)}
     _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
                                        "importance_batches": 1, "allocation_args": args}, batches)
-    db = torch.load(tmp_path / "levels_criterion.pt", weights_only=False)
+    db = torch.load(tmp_path / "levels_obs.pt", weights_only=False)
     assert db["tokens"] == sum(b.numel() for b in batches)  # 4 batches, not the 1 the probes read
     assert "calibrated" in plan.meta["search"]["seeds_kl"]
 
@@ -284,7 +308,7 @@ def test_search_under_export_format_nemotron_nas_keeps_one_group_count(tmp_path)
     assert any(n.startswith("served g") for n in seeds) and any(n.startswith("calibrated g") for n in seeds)
     assert plan.meta["search"]["kl"] <= min(seeds.values()) + 1e-12
     assert 0 <= plan.meta["budget_error_params"] < 3 * 64  # one MLP channel: 3 x hidden
-    assert list(tmp_path.glob("search_state_criterion_served_*.pt"))  # its own state: never a FREE search's
+    assert list(tmp_path.glob("search_state_obs-least_squares_served_*.pt"))  # its own state: never a FREE search's
     # the layout vLLM serves states the cut: the folder reloads equal to the cut model
     from transformers import AutoModelForCausalLM
 
@@ -324,21 +348,21 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
     assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
 
 
-@pytest.mark.parametrize("order", ["criterion", "obs"])
-def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order):
+@pytest.mark.parametrize("order,method", [("criterion", "least_squares"), ("obs", "obs"), ("obs", "least_squares")])
+def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order, method):
     """The cut of a search plan takes its repair from the levels database: the same model as fitting it again
-    (`reconstruct.cut_and_reconstruct`), the same figures; another repair than the database's is fitted as usual."""
+    (`reconstruct.cut_and_reconstruct`), the same figures; another repair than the database's is fitted as usual.
+    OBS's order with least_squares (the default) refits OBS's units as least_squares does."""
     import copy
 
     from prunelight.levels import cut_with_levels
     from prunelight.pipeline import make_plan
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
-    method = "obs" if order == "obs" else "least_squares"
     settings = settings_of(0.25, criterion="flap", allocation="search", reconstruct=method, allocation_args={
         "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "order": order})
     plan, _ = make_plan(model, _batches(), settings)
-    assert plan.levels is not None and plan.levels.order == order
+    assert plan.levels is not None and plan.levels.order == order and plan.levels.repair == method
     fast, slow = copy.deepcopy(model), copy.deepcopy(model)
     other = copy.deepcopy(plan)
     figures = cut_with_levels(fast, plan, plan.levels, settings, _batches())

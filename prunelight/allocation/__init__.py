@@ -6,7 +6,10 @@
 - `layerwise`: per-layer rates from layer importance (see layerwise.py), units chosen inside each layer.
 - `blockwise`: whole attention / MLP sub-blocks by importance per parameter, width pruning for the rest.
 - `depth`: whole layers by layer importance (ShortGPT-style), optionally width pruning for the rest.
-- `calibrated` (the default): the global knapsack on scores rescaled per sub-block by the measured
+- `search` (the default): every sub-block's width chosen by an evolutionary search on the KL of whole candidate
+  models from the dense model's next-token distributions, over a levels database of OBS-chosen, refitted units
+  (search.py, levels.py); under stock every uniform shape is measured, under nemotron_nas the served layouts.
+- `calibrated`: the global knapsack on scores rescaled per sub-block by the measured
   calibration-loss increase of a probe removal (calibrated.py: the row's own measurement), each sub-block capped
   at `prune.allocation_args.reach` x its probe; under a stock or served layout, global's shape search on the
   rescaled scores.

@@ -21,7 +21,7 @@ evaluating a candidate is one masked forward of the model with those weights swa
   layouts (one kept group count each) and moves MLP levels only; UNIFORM (stock) measures every uniform shape meeting
   the budget and keeps the lowest KL (a short list: no evolution).
 - Resumable: after every generation the state (parent, its fitness, the trajectory, the generator state) is
-  written to `state_dir/search_state_<order>_<target>.pt`, and a run finding it goes on from there.
+  written to `state_dir/search_state_<order>-<repair>_<target>.pt`, and a run finding it goes on from there.
 """
 
 from __future__ import annotations
@@ -48,32 +48,39 @@ from prunelight.allocation.width import global_width, uniform_counts
 from prunelight.atomic import atomic_path
 from prunelight.console import progress
 from prunelight.families import get_family, unwrap
-from prunelight.levels import LevelsDatabase, build_database, database_key, load_database
+from prunelight.levels import LevelsDatabase, build_database, database_key, load_database, repair_for
 from prunelight.reconstruct import ReduceSum, output_proj
 
 log = logging.getLogger(__name__)
 KINDS = ("attn", "mlp")
 Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups; mlp: channels, a multiple of step)
+# kl_top_k: auto keeps the whole dense distribution up to 1 GiB (SmolLM2's 49k vocabulary, 32 x 128 tokens: 0.8 GB);
+# beyond it the top 256, which ranked 12 candidates as the full KL did on SmolLM2 (Spearman 0.993, same best;
+# results/benchmarks/search_kl_top_k.md) in 2 KB per token.
+AUTO_FULL_KL_BYTES = 1 << 30
+AUTO_TOP_K = 256
 
 
 @dataclass(frozen=True)
 class SearchOptions:
     """Options of `prune.allocation: search` (`prune.allocation_args`)."""
 
-    generations: int = 40
+    generations: int = 12
     """Generations of the (1 + λ) search."""
-    offspring: int = 12
+    offspring: int = 8
     """λ: candidates per generation, each a few level moves away from the best so far."""
-    stages: tuple[int, ...] = (2, 8, 16)
-    """Calibration sequences each selection stage scores candidates on (more in later stages, as EvoPress)."""
-    survivors: tuple[int, ...] = (12, 3, 1)
+    stages: tuple[int, ...] = (2, 8, 32)
+    """Calibration sequences each selection stage scores candidates on (more in later stages, as EvoPress). The
+    last stage decides; fewer than 32 sequences over-fit on SmolLM2 (docs/methods.md)."""
+    survivors: tuple[int, ...] = (8, 2, 1)
     """Candidates entering each stage (the first is all offspring)."""
     moves: int = 3
     """Most level moves per offspring (1..moves, drawn uniformly)."""
     mlp_levels: int = 32
     """MLP widths on a grid of 1/mlp_levels of the width (rounded to prune.align_channels)."""
-    order: str = "criterion"
-    """Removal order inside a sub-block: "criterion" (the criterion's scores) or "obs" (structured OBS's greedy)."""
+    order: str = "obs"
+    """Removal order inside a sub-block: "obs" (structured OBS's greedy: each unit the one whose removal, after the
+    refit, adds the least output error) or "criterion" (the criterion's scores, lowest first)."""
     seed: int = 0
     """Random seed of the mutations."""
     seeds: dict[str, Any] = field(default_factory=dict)
@@ -85,17 +92,18 @@ class SearchOptions:
     state_dir: str | None = None
     """A folder for the levels database and the resumable search state (None: the run's output folder; the
     database is kept per model, criterion, order and calibration size, so it serves every ratio)."""
-    kl_top_k: int | None = None
-    """None: the KL over the whole next-token distribution (the dense log-probabilities are kept: sequences x length
+    kl_top_k: int | str | None = "auto"
+    """null: the KL over the whole next-token distribution (the dense log-probabilities are kept: sequences x length
     x vocabulary x 4 B, 17 GB for 16 x 2048 tokens of a 128k vocabulary); k: over the dense model's k most likely
     tokens at each position plus one bucket for all the others (k x 8 B per token; a lower bound of the full KL,
-    equal to it when k is the vocabulary)."""
+    equal to it when k is the vocabulary); "auto": the whole distribution when it fits in 1 GiB, else k = 256
+    (`top_k_for`)."""
 
     def __post_init__(self) -> None:
         k = self.kl_top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"prune.allocation_args.kl_top_k={k!r} is not allowed: null (the full distribution) or "
-                             "an integer >= 1 (e.g. 256)")
+        if k is not None and k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"prune.allocation_args.kl_top_k={k!r} is not allowed: null (the full distribution), "
+                             "an integer >= 1 (e.g. 256) or auto")
         for name in ("generations", "offspring", "moves", "mlp_levels"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
@@ -119,6 +127,13 @@ class SearchOptions:
                 raise ValueError(f"prune.allocation_args.seeds.{name} is not allowed: a dict of the removed units "
                                  "per layer, {attn: [[group, ...], ...], mlp: [[channel, ...], ...]}")
         object.__setattr__(self, "seeds", seeds)
+
+    def top_k_for(self, sequences: int, length: int, vocab: int) -> int | None:
+        """The k the fitness uses for `sequences` x `length` tokens over `vocab` (None: the whole distribution)."""
+        if self.kl_top_k != "auto":
+            return self.kl_top_k
+        full = sequences * max(length - 1, 1) * vocab * 4
+        return None if full <= AUTO_FULL_KL_BYTES else min(AUTO_TOP_K, vocab)
 
     def seed_plans(self) -> dict[str, Removed]:
         """`seeds` as removals (sets of units per sub-block)."""
@@ -341,11 +356,14 @@ class SearchResult:
     times_s: dict[str, float] = field(default_factory=dict)
     step: int = 0
     forwards: int = 0  # calibration sequences run by the fitness
+    kl_top_k: int | None = None  # the k the fitness used (None: the whole distribution)
+    repair: str = "least_squares"  # the levels' refit (the database's)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able summary."""
         return {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
-                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards}
+                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
+                "repair": self.repair}
 
 
 def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: dict[str, Levels],
@@ -487,21 +505,23 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     layouts (one kept group count) and moves MLP levels only; UNIFORM (stock) measures every uniform shape."""
     space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels, fixed_attn=shape is Shape.SERVED)
     t0 = time.perf_counter()
+    repair = repair_for(options.order, settings.reconstruct)
     if db is None:
         path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
         tokens = sum(b.numel() for b in batches)
         if reduce_sum is not None:
             tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
         key = database_key(model, settings.criterion, options.order, tokens)
-        db = load_database(path, model, key) if path is not None else None
+        db = load_database(path, model, key, repair) if path is not None else None
         if db is None:
             db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
-                                settings.reconstruct_ridge, settings.criterion, reduce_sum)
+                                settings.reconstruct_ridge, settings.criterion, reduce_sum, repair)
             if path is not None:
                 db.save(path)
     t_db = time.perf_counter() - t0
-    fitness = KLFitness(model, db, calibration_rows(batches, options.stages[-1]), reduce_sum=reduce_sum,
-                        top_k=options.kl_top_k)
+    rows = calibration_rows(batches, options.stages[-1])
+    top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).config.vocab_size))
+    fitness = KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k)
     align = settings.align_channels
     extra: dict[str, Any] = {}
     if shape is Shape.UNIFORM:
@@ -519,8 +539,8 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
             seeds = seed_levels(space, scores, plans)
         # One state file per order, shape and budget: a state of another search is never resumed from.
         tag = "" if shape is Shape.FREE else f"_{shape.name.lower()}"
-        state = (state_dir / f"search_state_{options.order}{tag}_{budget.target}.pt" if state_dir is not None
-                 else None)
+        state = (state_dir / f"search_state_{options.order}-{db.repair}{tag}_{budget.target}.pt"
+                 if state_dir is not None else None)
         result = evolve(space, fitness, seeds, options, state)
         removed = finish(space, result.levels, db, align)
         if shape is Shape.SERVED:
@@ -533,6 +553,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                            "attention_removed_layers": [i for i, a in enumerate(attn) if a >= n_g]}}}
     result.times_s = {"database": t_db, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
+    result.kl_top_k, result.repair = top_k, db.repair
     return removed, result, db, extra
 
 
