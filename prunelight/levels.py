@@ -13,7 +13,8 @@ demand, the kept o_proj / down_proj columns refitted by the least-squares fit `p
 follows from G alone (`stats_from_gram`): a level's weights are exactly what `reconstruct: least_squares` writes
 when that sub-block is cut to that level. The database's `repair` says which refit it holds (`repair_for`): with
 order `obs` and `reconstruct: obs` it is OBS's final update (damping from the full Gram); otherwise least_squares
-(with order `obs` the units are OBS's greedy choice, refitted as `reconstruct: least_squares` refits them). SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
+(with order `obs` the units are OBS's greedy choice, refitted as `reconstruct: least_squares` refits them).
+SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
 
 The database is saved (`save` / `load`, a torch file with a key of the model's sizes, the criterion, the order and
 the calibration tokens), so other ratios and later runs reuse it as they reuse saved scores.

@@ -48,7 +48,8 @@ ROWS = ("stock", "search", "search_obs", "search_stock", "search_served", "defau
 # the search rows under a shape constraint (OBS's order, as search_obs): the export format they are cut for
 SHAPED_SEARCH = {"search_stock": "stock", "search_served": "nemotron_nas"}
 # rows that are the library defaults with one allocation (and its option) changed
-ALLOCATION_ROWS = {"calibrated": {"allocation": "calibrated"}, "global": {"allocation": "global"}, "layerwise": {"allocation": "layerwise"},
+ALLOCATION_ROWS = {"calibrated": {"allocation": "calibrated"}, "global": {"allocation": "global"},
+                   "layerwise": {"allocation": "layerwise"},
                    "blockwise_removal": {"allocation": "blockwise", "block_importance": "removal"},
                    "depth": {"allocation": "depth"}}
 
@@ -140,8 +141,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     out += ["", "Rows: stock = flap + least_squares, export.format stock (split auto); search = levels from flap's "
             "order + least_squares refits, evolutionary search on calibration KL; search_obs = levels from structured "
             "OBS's order, reconstruct obs; search_stock / search_served = search_obs under export.format stock / "
-            "nemotron_nas; default = the library's defaults (flap, search with OBS's order and least_squares refits, 12 "
-            "generations x 8 offspring, stages 2 / 8 / 32 sequences, calibrated's plan a seed); calibrated = "
+            "nemotron_nas; default = the library's defaults (flap, search with OBS's order and least_squares refits, "
+            "12 generations x 8 offspring, stages 2 / 8 / 32 sequences, calibrated's plan a seed); calibrated = "
             "flap + calibrated + least_squares; global, layerwise, "
             "blockwise_removal (block_importance: removal) and depth = the defaults with that allocation. "
             "A database time near 0 s "

@@ -520,7 +520,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                 db.save(path)
     t_db = time.perf_counter() - t0
     rows = calibration_rows(batches, options.stages[-1])
-    top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).config.vocab_size))
+    top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).get_output_embeddings().weight.shape[0]))
     fitness = KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k)
     align = settings.align_channels
     extra: dict[str, Any] = {}
