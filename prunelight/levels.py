@@ -194,7 +194,7 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
 
     if order not in ORDERS:
         raise ValueError(f"levels order={order!r} is not allowed: use one of {', '.join(ORDERS)}")
-    if repair not in REPAIRS or (repair == "obs" and order != "obs"):
+    if repair not in REPAIRS or repair != repair_for(order, repair):  # repair_for owns the pairing rule
         raise ValueError(f"levels repair={repair!r} is not allowed with order {order!r}: use least_squares, or obs "
                          "with order obs")
     t0 = time.perf_counter()

@@ -330,8 +330,8 @@ class KLFitness:
             for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
                 logp = self._logp(chunk)
                 top, idx = self.dense[b]
-                n = chunk.shape[0]
-                total += self._kl(top[:n], None if idx is None else idx[:n], logp)
+                rows = chunk.shape[0]  # the last chunk may hold fewer sequences than the dense one kept
+                total += self._kl(top[:rows], None if idx is None else idx[:rows], logp)
                 tokens += logp.shape[0] * logp.shape[1]
                 self.forwards += chunk.shape[0]
             if self.reduce_sum is not None:
