@@ -17,6 +17,9 @@ windows; calibration --samples x --seq-len tokens of --calibration), no recovery
 - ``global``, ``layerwise``, ``blockwise_removal`` (blockwise with `block_importance: removal`), ``depth``: the
   library's defaults with that allocation.
 
+`--settings` (with `--variant`) changes the library's defaults for these rows, so a lever (fewer generations, fewer
+probe sequences, another search seed) is measured as its own labelled row beside the defaults' rows.
+
 `--zeroshot-rows` evaluates those rows (and ``dense``) on the seven zero-shot sets of ../shared/data/zeroshot, the
 first `--zeroshot-limit` rows of each.
 
@@ -62,15 +65,19 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
             zeroshot: tuple[set, object] | None = None) -> dict:
     """Cut a copy of `model` one way (`prunelight.prune`), evaluate it; returns the row (and keeps the stock
     removal for the seeds)."""
-    row: dict = {"row": kind, "ratio": ratio, "variant": args.variant if kind.startswith("search") else ""}
+    row: dict = {"row": kind, "ratio": ratio, "variant": row_variant(kind, args)}
     t0 = time.perf_counter()
     if kind in ("stock", "default") or kind in ALLOCATION_ROWS:
         # default: the library's own defaults (criterion, allocation, repair, probe batches) at this ratio
         opts = {"ratio": ratio, **ALLOCATION_ROWS.get(kind, {})}
         if kind == "stock":
             opts.update(criterion="flap", reconstruct="least_squares", allocation="global", attn_mlp_split="auto")
+        if kind != "stock":  # --settings changes the library's defaults (a lever measured as a variant)
+            extra = dict(args.settings)
+            opts["allocation_args"] = {**opts.get("allocation_args", {}), **extra.pop("allocation_args", {})}
+            opts.update(extra)
         if kind == "default":  # where the default search keeps its levels database (it serves every ratio)
-            opts["allocation_args"] = {"state_dir": str(state_dir)}
+            opts["allocation_args"]["state_dir"] = str(state_dir)
         pruned, plan, seconds = bench.cut_copy(model, prunelight.PruneSettings(**opts), calib,
                                                export_format="stock" if kind == "stock" else "auto")
         row["times_s"] = {"cut": seconds}
@@ -115,6 +122,11 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     return row
 
 
+def row_variant(kind: str, args) -> str:
+    """The label that keeps a row apart from other runs' rows: search rows and rows with --settings carry it."""
+    return args.variant if kind.startswith("search") or (args.settings and kind != "stock") else ""
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     """The table: ppl and x dense per row and ratio, the phases' wall time, the search's KL against its seeds."""
     dense = meta["dense_ppl"]
@@ -124,6 +136,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
            f"torch {meta['torch']}.", "",
            *(["Search settings per variant: " + "; ".join(f"{k}: {v}" for k, v in meta["searches"].items()) + ".", ""]
              if meta.get("searches") else []),
+           *(["Changed defaults per variant: " + "; ".join(f"{k}: {json.dumps(v)}" for k, v in
+                                                       meta["settings_variants"].items()) + ".", ""]
+             if meta.get("settings_variants") else []),
            "| row | ratio | removed | ppl | x dense | budget error (params) | wall time (s) | search KL (seeds) |",
            "|---|---:|---:|---:|---:|---:|---|---|"]
     for r in sorted(rows, key=lambda r: (r["ratio"], ROWS.index(r["row"]), r.get("variant", ""))):
@@ -180,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="search_smollm2")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the JSON")
     p.add_argument("--variant", default="", help="a label for these rows (search settings), kept beside other runs'")
+    p.add_argument("--settings", type=json.loads, default={},
+                   help='JSON of PruneSettings fields for the rows made from the library defaults (default, '
+                        'calibrated, ...), e.g. \'{"importance_batches": 1, "allocation_args": {"generations": 8}}\'; '
+                        'needs --variant')
     p.add_argument("--zeroshot-rows", default="", help="rows (and 'dense') to evaluate on the zero-shot sets")
     p.add_argument("--zeroshot-limit", type=int, default=100, help="first N rows of each zero-shot set")
     p.add_argument("--zeroshot-dir", default=bench.shared_path("data", "zeroshot"))
@@ -189,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     bad = [r for r in rows_asked + sorted(zs_rows - {"dense"}) if r not in ROWS]
     if bad:
         p.error(f"--rows {bad} not allowed: use {', '.join(ROWS)}")
+    if args.settings and not args.variant:
+        p.error(f"--settings {json.dumps(args.settings)} needs --variant: a label keeps these rows apart from the "
+                "library defaults' rows")
     ratios = [float(r) for r in args.ratios.split(",") if r]
     out_dir = Path(args.out_dir)
     json_path = out_dir / f"{args.name}.json"
@@ -224,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         meta.setdefault("searches", {})[args.variant or "-"] = (
             f"{args.generations} generations x {args.offspring} offspring, stages {args.stages} sequences, "
             f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
+    if args.settings:
+        meta.setdefault("settings_variants", {})[args.variant] = args.settings
     meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + " ".join(sys.argv[1:]))
     rows = previous.get("rows", [])
     def key(r: dict) -> tuple:
@@ -241,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 if "removed_units" in r:
                     stock_removed[ratio] = {k: [set(v) for v in r["removed_units"][k]] for k in ("attn", "mlp")}
                     continue
-            if (kind, ratio, args.variant) in done:
+            if (kind, ratio, row_variant(kind, args)) in done:
                 continue
             print(f"[search benchmark] {kind} at {ratio:g} ...", flush=True)
             try:
@@ -252,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
                 import traceback
 
                 traceback.print_exc()
-                row = {"row": kind, "ratio": ratio, "variant": args.variant, "error": f"{type(err).__name__}: {err}"}
-            rows = [r for r in rows if key(r) != (kind, ratio, args.variant)] + [row]
+                row = {"row": kind, "ratio": ratio, "variant": row_variant(kind, args),
+                       "error": f"{type(err).__name__}: {err}"}
+            rows = [r for r in rows if key(r) != (kind, ratio, row_variant(kind, args))] + [row]
             x = (row.get("ppl") or 0) / meta["dense_ppl"]
             print(f"[search benchmark] {kind} at {ratio:g}: ppl {row.get('ppl')} x{x:.3f} times {row.get('times_s')}",
                   flush=True)

@@ -12,7 +12,7 @@ PTB test at 128 and 512 tokens, on the first `--windows` windows of each (null: 
     OMP_NUM_THREADS=1 python scripts/distillation_table.py --job smollm2 --out /tmp/distill-smollm2 --steps 200 \
         --windows 32 --zeroshot-limit 100
     python scripts/distillation_table.py --out /tmp/distill-runs --table-only
-    (--only kl_a0.5_T2 redoes one run and keeps the others' results in --out)
+    (--only kl_a0.5_T2 redoes one run and keeps the others' results in --out; the dense row is measured once)
 """
 
 from __future__ import annotations
@@ -168,13 +168,15 @@ def main() -> None:
             shared=SHARED, windows=args.windows, seq_lens=job.seq_lens, zeroshot=str(job.zeroshot).lower(),
             limit=args.zeroshot_limit))
         plan = None
-        if args.reuse_cut:
-            plan = args.out / "pruned" / "plan.json"
-            if not plan.exists():
-                print("fit pruned (the cut the other runs re-apply):", fit(job, "pruned", args.out, args.steps),
-                      flush=True)
         with ThreadPoolExecutor(args.jobs or len(names) + 1) as pool:
-            dense = pool.submit(evaluate, "dense", job.dense, args.out) if args.only is None else None
+            # the dense row is measured once per --out (a second pass with --only keeps it)
+            has_dense = (args.out / "eval_dense" / "report.json").exists()
+            dense = pool.submit(evaluate, "dense", job.dense, args.out) if not has_dense else None
+            if args.reuse_cut:
+                plan = args.out / "pruned" / "plan.json"
+                if not plan.exists():
+                    print("fit pruned (the cut the other runs re-apply):", fit(job, "pruned", args.out, args.steps),
+                          flush=True)
             todo = [n for n in names if not (plan is not None and n == "pruned")]
             codes = dict(zip(todo, pool.map(lambda n: fit(job, n, args.out, args.steps, plan), todo)))
             print("fit exit codes:", codes, flush=True)

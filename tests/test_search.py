@@ -348,6 +348,37 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
     assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
 
 
+def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_path):
+    """--settings changes the library defaults of the default row, labelled by --variant (required)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_search.py"
+    spec = importlib.util.spec_from_file_location("benchmark_search", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=3, intermediate_size=64)
+    files = write_tiny_corpus(tmp_path / "data", lines=60)
+    quick = {"importance_batches": 1, "allocation_args": {"generations": 1, "offspring": 2, "stages": [4],
+                                                          "survivors": [1], "mlp_levels": 8}}
+    argv = ["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
+            "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--rows", "default",
+            "--state-dir", str(tmp_path / "state"), "--out-dir", str(tmp_path), "--name", "s",
+            "--settings", json.dumps(quick)]
+    with pytest.raises(SystemExit):  # a changed default without a label would pass for the defaults' row
+        bench.main(argv)
+    bench.main([*argv, "--variant", "quick"])
+    data = json.loads((tmp_path / "s.json").read_text())
+    (row,) = data["rows"]
+    assert row["row"] == "default" and row["variant"] == "quick" and "error" not in row
+    assert [t["generation"] for t in row["search"]["trajectory"]] == [0, 1]  # the changed generations ran
+    assert data["meta"]["settings_variants"] == {"quick": quick}
+    assert "| default (quick) | 0.2 |" in (tmp_path / "s.md").read_text()
+
+
 @pytest.mark.parametrize("order,method", [("criterion", "least_squares"), ("obs", "obs"), ("obs", "least_squares")])
 def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order, method):
     """The cut of a search plan takes its repair from the levels database: the same model as fitting it again
