@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
     if args.settings:
         meta.setdefault("settings_variants", {})[args.variant] = args.settings
-    meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + " ".join(sys.argv[1:]))
+    meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + shlex.join(sys.argv[1:]))
     rows = previous.get("rows", [])
     def key(r: dict) -> tuple:
         return r["row"], r["ratio"], r.get("variant", "")
