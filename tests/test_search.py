@@ -321,10 +321,9 @@ def test_search_under_export_format_nemotron_nas_keeps_one_group_count(tmp_path)
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
+def _benchmark_search_and_data(tmp_path):
+    """scripts/benchmark_search.py as a module, a tiny checkpoint and a tiny corpus."""
     import importlib.util
-    import json
-    import math
     from pathlib import Path
 
     from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
@@ -334,7 +333,14 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=3, intermediate_size=64)
-    files = write_tiny_corpus(tmp_path / "data", lines=60)
+    return bench, ckpt, write_tiny_corpus(tmp_path / "data", lines=60)
+
+
+def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
+    import json
+    import math
+
+    bench, ckpt, files = _benchmark_search_and_data(tmp_path)
     bench.main(["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
                 "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--generations", "2", "--offspring", "2",
                 "--stages", "2", "4", "--survivors", "2", "1", "--mlp-levels", "8", "--rows", "stock,search",
@@ -350,18 +356,9 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
 
 def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_path):
     """--settings changes the library defaults of the default row, labelled by --variant (required)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_search.py"
-    spec = importlib.util.spec_from_file_location("benchmark_search", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=3, intermediate_size=64)
-    files = write_tiny_corpus(tmp_path / "data", lines=60)
+    bench, ckpt, files = _benchmark_search_and_data(tmp_path)
     quick = {"importance_batches": 1, "allocation_args": {"generations": 1, "offspring": 2, "stages": [4],
                                                           "survivors": [1], "mlp_levels": 8}}
     argv = ["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
