@@ -17,7 +17,7 @@ activations kept), and its LM head plus the family's logit transform (Gemma's so
 chunk's fp32 softmaxes are recomputed in the backward pass (activation checkpointing) instead of being kept, so
 only one chunk's (tokens x vocab) fp32 tensors live at once. At alpha 1 no CE is computed; at alpha 0 the
 teacher never runs (plain CE). The teacher itself costs one more copy of the dense model's weights, held in
-`dtype` (bf16 by default: 16 GB for Llama-3-8B), plus one forward per step.
+`dtype` (auto: bf16 on a GPU, 16 GB for Llama-3-8B), plus one forward per step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from prunelight.settings import _bad, _choice, _integer, _number
 
 DISTILL_LOSSES = ("kl", "reverse_kl", "mse_logits")
 DistillLoss = Literal[DISTILL_LOSSES]  # type: ignore[valid-type]
-TEACHER_DTYPES = ("bfloat16", "float16", "float32", "model")
+TEACHER_DTYPES = ("auto", "bfloat16", "float16", "float32", "model")
 TeacherDtype = Literal[TEACHER_DTYPES]  # type: ignore[valid-type]
 IGNORE_INDEX = -100  # a target position without a next token (transformers' ignore_index)
 
@@ -55,9 +55,11 @@ class DistillationSettings:
     """null: the dense model as it was before the cut; else a folder or hub id of a model with the same vocabulary."""
     chunk_tokens: int | None = 1024
     """Token positions per chunk of the teacher's LM head and of both loss terms (null: the whole batch at once)."""
-    dtype: TeacherDtype = "bfloat16"
-    """The dtype the teacher copy is held and run in: bfloat16, float16, float32, or model (`model.dtype`, the
-    student's). Its memory is one extra copy of the dense model's weights in this dtype (activations are not kept)."""
+    dtype: TeacherDtype = "auto"
+    """The dtype the teacher copy is held and run in: auto (bfloat16 on a CUDA device that computes in it, else
+    `model.dtype`: a CPU without bf16 instructions runs a bf16 teacher several times slower than fp32), bfloat16,
+    float16, float32, or model (`model.dtype`, the student's). Its memory is one extra copy of the dense model's
+    weights in this dtype (activations are not kept)."""
 
     def __post_init__(self) -> None:
         _number("model.distillation.alpha", self.alpha, 0.0, 1.0, False, False)
@@ -80,8 +82,11 @@ class DistillationSettings:
         """Whether the loss has a CE term (alpha 1 is distillation only: no CE is computed)."""
         return self.alpha < 1
 
-    def teacher_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The torch dtype of the teacher (`model_dtype`: the student's, used for `dtype: model`)."""
+    def teacher_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+        """The torch dtype of the teacher on `device` (`model_dtype`: the student's, for `model` and `auto`)."""
+        if self.dtype == "auto":
+            on_bf16_gpu = device is not None and device.type == "cuda" and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if on_bf16_gpu else model_dtype
         return model_dtype if self.dtype == "model" else getattr(torch, self.dtype)
 
     def as_dict(self) -> dict:

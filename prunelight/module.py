@@ -76,8 +76,9 @@ class PruneLM(L.LightningModule):
         self.distillation = distillation
         # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
         self.dense_pretrained = sources.one_value(pretrained, gguf_file)
-        teacher_dtype = distillation.teacher_dtype(DTYPES[dtype]) if distillation else DTYPES[dtype]
-        self.frozen_teacher = Teacher(teacher_dtype, attn_implementation, trust_remote_code)  # a plain object
+        self.frozen_teacher = Teacher(  # a plain object
+            lambda device: distillation.teacher_dtype(DTYPES[dtype], device) if distillation else DTYPES[dtype],
+            attn_implementation, trust_remote_code)
         self._rng_to_restore: list[dict] | dict | None = None  # a checkpoint's per-rank states (rng_state)
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
@@ -270,7 +271,9 @@ class PruneLM(L.LightningModule):
         """What the report says about the distillation: the teacher and the loss."""
         if self.distillation is None:
             return None
-        return {**self.distillation.as_dict(), "teacher": describe_teacher(self.distillation, self.dense_pretrained)}
+        held = self.frozen_teacher.dtype  # `auto` resolved where the teacher ran
+        return {**self.distillation.as_dict(), "teacher": describe_teacher(self.distillation, self.dense_pretrained),
+                **({"dtype": str(held).removeprefix("torch.")} if held is not None else {})}
 
     def on_before_optimizer_step(self, optimizer) -> None:
         for name, p in self.model.named_parameters():

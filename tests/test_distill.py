@@ -63,7 +63,8 @@ def test_chunked_teacher_head_equals_the_full_logits():
     ("loss", "js", "model.distillation.loss='js' is not allowed: use one of kl, reverse_kl, mse_logits"),
     ("chunk_tokens", 0, "model.distillation.chunk_tokens=0 is not allowed"),
     ("teacher", "", "model.distillation.teacher='' is not allowed"),
-    ("dtype", "int8", "model.distillation.dtype='int8' is not allowed: use one of bfloat16, float16, float32, model"),
+    ("dtype", "int8",
+     "model.distillation.dtype='int8' is not allowed: use one of auto, bfloat16, float16, float32, model"),
 ])
 def test_bad_settings_fail_with_one_line(field, value, match):
     with pytest.raises(SettingsError, match=match.replace("[", r"\[").replace("]", r"\]")):
@@ -175,7 +176,8 @@ def test_the_student_forward_gets_no_labels_and_alpha_one_computes_no_ce(alpha, 
 
 
 @pytest.mark.parametrize("dtype,want", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
-                                        ("float32", torch.float32), ("model", torch.float32)])
+                                        ("float32", torch.float32), ("model", torch.float32),
+                                        ("auto", torch.float32)])  # auto on a CPU: the student's dtype
 def test_the_teacher_is_held_in_the_configured_dtype(tmp_path, dtype, want):
     """Snapshotted before the cut or reloaded from its folder (a resume), the teacher is in distillation.dtype."""
     module = _module(tmp_path, recovery="full", alpha=0.5, dtype=dtype)  # the student: model.dtype float32
@@ -190,9 +192,31 @@ def test_the_teacher_is_held_in_the_configured_dtype(tmp_path, dtype, want):
 
 
 def test_a_bad_teacher_dtype_names_the_value_and_the_choices():
-    with pytest.raises(ValueError, match=r"model\.distillation\.dtype='fp8' is not allowed: use one of bfloat16, "
+    with pytest.raises(ValueError, match=r"model\.distillation\.dtype='fp8' is not allowed: use one of auto, bfloat16, "
                                          r"float16, float32, model"):
         DistillationSettings(dtype="fp8")
+
+
+@pytest.mark.parametrize("device,bf16,model_dtype,want", [
+    ("cuda", True, torch.float32, torch.bfloat16),   # a GPU that computes in bf16: half the teacher's memory
+    ("cuda", False, torch.float16, torch.float16),   # e.g. a V100: the student's dtype
+    ("cpu", True, torch.float32, torch.float32),     # a CPU: the student's dtype, whatever CUDA says
+    ("cpu", True, torch.bfloat16, torch.bfloat16),
+])
+def test_auto_teacher_dtype_is_bf16_on_a_bf16_gpu_else_the_students(monkeypatch, device, bf16, model_dtype, want):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert DistillationSettings().dtype == "auto"
+    assert DistillationSettings().teacher_dtype(model_dtype, torch.device(device)) == want
+    assert DistillationSettings(dtype="bfloat16").teacher_dtype(model_dtype, torch.device(device)) == torch.bfloat16
+
+
+def test_the_record_names_the_dtype_the_teacher_was_held_in(tmp_path):
+    """`auto` is resolved where the teacher runs; the report says what it became, not "auto"."""
+    module = _module(tmp_path, recovery="full", alpha=0.5)
+    module.configure_model()
+    assert module.distillation_record()["dtype"] == "auto", "before the teacher exists: the setting"
+    module.snapshot_teacher()
+    assert module.distillation_record()["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("recovery", ["lora", "full"])
@@ -212,7 +236,7 @@ def test_teacher_is_frozen_outside_the_optimizer_and_the_checkpoint(tmp_path, re
     assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
     assert {k: v for k, v in teacher.state_dict().items()}.keys() == dense.keys()
     for k, v in teacher.state_dict().items():
-        assert v.dtype == torch.bfloat16, "distillation.dtype's default"
+        assert v.dtype == torch.float32, "distillation.dtype's default (auto) on a CPU: the student's float32"
         assert torch.equal(v, dense[k].to(v.dtype)), f"the teacher must stay the dense model ({k} changed)"
     in_opt = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
     assert not in_opt & {id(p) for p in teacher.parameters()}
