@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Literal
 
 import lightning as L
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 RecoveryMode = Literal[RECOVERY_MODES]  # type: ignore[valid-type]
+
+
+def _teacher_dtype(distillation: DistillationSettings | None, model_dtype: torch.dtype,
+                   device: torch.device) -> torch.dtype:
+    """The teacher's dtype on `device` (a module-level function, so the module stays picklable)."""
+    return distillation.teacher_dtype(model_dtype, device) if distillation else model_dtype
 
 
 class PruneLM(L.LightningModule):
@@ -76,9 +83,8 @@ class PruneLM(L.LightningModule):
         self.distillation = distillation
         # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
         self.dense_pretrained = sources.one_value(pretrained, gguf_file)
-        self.frozen_teacher = Teacher(  # a plain object
-            lambda device: distillation.teacher_dtype(DTYPES[dtype], device) if distillation else DTYPES[dtype],
-            attn_implementation, trust_remote_code)
+        self.frozen_teacher = Teacher(partial(_teacher_dtype, distillation, DTYPES[dtype]),  # a plain object
+                                      attn_implementation, trust_remote_code)
         self._rng_to_restore: list[dict] | dict | None = None  # a checkpoint's per-rank states (rng_state)
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
