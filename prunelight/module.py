@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import Literal
 
 import lightning as L
@@ -30,12 +29,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 RecoveryMode = Literal[RECOVERY_MODES]  # type: ignore[valid-type]
-
-
-def _teacher_dtype(distillation: DistillationSettings | None, model_dtype: torch.dtype,
-                   device: torch.device) -> torch.dtype:
-    """The teacher's dtype on `device` (a module-level function, so the module stays picklable)."""
-    return distillation.teacher_dtype(model_dtype, device) if distillation else model_dtype
 
 
 class PruneLM(L.LightningModule):
@@ -83,8 +76,7 @@ class PruneLM(L.LightningModule):
         self.distillation = distillation
         # The teacher's source when `pretrained` becomes the cut folder (hand-off); one value, GGUF file included.
         self.dense_pretrained = sources.one_value(pretrained, gguf_file)
-        self.frozen_teacher = Teacher(partial(_teacher_dtype, distillation, DTYPES[dtype]),  # a plain object
-                                      attn_implementation, trust_remote_code)
+        self.frozen_teacher = Teacher(DTYPES[dtype], attn_implementation, trust_remote_code)  # a plain object
         self._rng_to_restore: list[dict] | dict | None = None  # a checkpoint's per-rank states (rng_state)
         self.record = RunRecord()
         self.val_ppl = TokenPerplexity()
@@ -266,7 +258,7 @@ class PruneLM(L.LightningModule):
             return  # a named teacher is loaded from its folder; alpha 0 needs none
         if self._trainer is not None and distributed.needs_fresh_engine(self._trainer.strategy):
             return  # the engine's weights are partitioned; the fresh engine loads the teacher from `pretrained`
-        self.frozen_teacher.snapshot(self.base_model, self.device)
+        self.frozen_teacher.snapshot(self.base_model, self.distillation, self.device)
 
     def teacher(self) -> nn.Module:
         """The frozen teacher, loaded on first use (after a resume or the DeepSpeed hand-off: from its folder)."""

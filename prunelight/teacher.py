@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,10 +25,10 @@ log = logging.getLogger(__name__)
 class Teacher:
     """The frozen teacher of one run, held in `model.distillation.dtype`; loaded with the student's attention kernel."""
 
-    def __init__(self, dtype_on: Callable[[torch.device], torch.dtype], attn_implementation: str | None,
-                 trust_remote_code: bool) -> None:
-        # dtype_on: the teacher's dtype on a device (`distillation.dtype: auto` depends on where it runs)
-        self.dtype_on, self.attn_implementation, self.trust_remote_code = dtype_on, attn_implementation, trust_remote_code
+    def __init__(self, model_dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool) -> None:
+        # model_dtype: the student's, which `distillation.dtype: model` and `auto` (off a bf16 GPU) resolve to
+        self.model_dtype, self.attn_implementation = model_dtype, attn_implementation
+        self.trust_remote_code = trust_remote_code
         self.model: nn.Module | None = None
 
     @property
@@ -37,33 +36,34 @@ class Teacher:
         """The dtype the teacher is held in (None before it is snapshotted or loaded)."""
         return None if self.model is None else next(self.model.parameters()).dtype
 
-    def snapshot(self, dense: nn.Module, device: torch.device) -> None:
+    def snapshot(self, dense: nn.Module, settings: DistillationSettings, device: torch.device) -> None:
         """Keep a frozen copy of the dense model (called just before the surgery; once)."""
         if self.model is None:
-            self._set(copy.deepcopy(unwrap(dense)), device)
+            self._set(copy.deepcopy(unwrap(dense)), settings.teacher_dtype(self.model_dtype, device), device)
 
     def get(self, settings: DistillationSettings, dense_source: str | None, built_from_config: bool,
             student: nn.Module, device: torch.device) -> nn.Module:
         """The frozen teacher on `device`, loaded on first use (checked against the `student`)."""
         if self.model is None:
-            self._set(self._load(settings, dense_source, built_from_config, student, device), device)
+            dtype = settings.teacher_dtype(self.model_dtype, device)
+            self._set(self._load(settings, dense_source, built_from_config, student, dtype), dtype, device)
         if self.model.device != device:
             self.model.to(device)
         return self.model
 
-    def _set(self, model: nn.Module, device: torch.device) -> None:
-        model = unwrap(model).to(device=device, dtype=self.dtype_on(device)).eval()
+    def _set(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        model = unwrap(model).to(device=device, dtype=dtype).eval()
         model.requires_grad_(False)
         self.model = model
 
     def _load(self, settings: DistillationSettings, dense_source: str | None, built_from_config: bool,
-              student: nn.Module, device: torch.device) -> nn.Module:
+              student: nn.Module, dtype: torch.dtype) -> nn.Module:
         source = settings.teacher or dense_source
         option = "model.distillation.teacher" if settings.teacher else "model.pretrained"
         if source is None or (built_from_config and not settings.teacher):
             raise ValueError("model.distillation.teacher=null cannot be rebuilt for a model built from `config`: "
                              "give model.distillation.teacher a folder")
-        kwargs = dict(dtype=self.dtype_on(device), trust_remote_code=self.trust_remote_code)
+        kwargs = dict(dtype=dtype, trust_remote_code=self.trust_remote_code)
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
         # A hub id, a folder, a GGUF file or a pkg:// resource, resolved as `model.pretrained` is.
