@@ -114,6 +114,7 @@ class LevelsDatabase:
     repair: str = "least_squares"  # the `prune.reconstruct` whose weights it holds (`repair_for`)
     cache_bytes: int = 1 << 29  # derived weights kept (least recently used first out)
     build_s: float = 0.0
+    ridge_validated: bool = False  # the ridge was chosen by cross-validation (search's cut_ridge: cv), not the run's
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def weight_at(self, kind: str, layer: int, removed: int) -> torch.Tensor:
@@ -250,7 +251,8 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
     Returns the reconstruction figures (as `reconstruct.cut_and_reconstruct` reports them), or None, with nothing
     changed, when the database does not hold this repair: another `prune.reconstruct` or ridge, fits on pruned
     inputs, other calibration tokens (`prune.max_calibration_batches`), dropped layers, or a sub-block whose removed
-    units are not the first of its order. The weights are the same either way (`tests/test_search.py`).
+    units are not the first of its order. A ridge the search cross-validated (`ridge_validated`) is the cut's.
+    The weights are the same either way (`tests/test_search.py`).
     """
     import time
 
@@ -261,7 +263,7 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
     tokens = sum(b.numel() for b in list(batches)[: settings.max_calibration_batches])
     if reduce_sum is not None:
         tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
-    if (settings.reconstruct != db.repair or settings.reconstruct_ridge != db.ridge
+    if (settings.reconstruct != db.repair or (settings.reconstruct_ridge != db.ridge and not db.ridge_validated)
             or FIT_INPUTS != "dense" or tokens != db.key.get("tokens") or plan.drop_layers):
         return None
     base = unwrap(model)

@@ -191,6 +191,43 @@ def test_bad_options_are_refused():
         SearchOptions(stages=(8, 2), survivors=(4, 1))
     with pytest.raises(ValueError, match="order='x'"):
         SearchOptions(order="x")
+    with pytest.raises(ValueError, match="cut_ridge='auto' is not allowed: use cv or fixed"):
+        SearchOptions(cut_ridge="auto")
+    with pytest.raises(ValueError, match=r"cv_ridges=\[-1\] is not allowed"):
+        SearchOptions(cv_ridges=[-1])
+    with pytest.raises(ValueError, match="cv_sequences=0"):
+        SearchOptions(cv_sequences=0)
+
+
+def test_cut_ridge_cv_picks_the_ridge_of_least_kl_on_held_out_sequences():
+    """`cross_validate_ridge` against an independent computation: a database built from all but the last quarter
+    of the sequences, each ridge's KL of the levels on that quarter; the winner is scaled to all the tokens."""
+    from prunelight.allocation.search import cross_validate_ridge
+
+    model, settings, budget, scores, db = _setup(order="criterion")  # the same order whichever rows are read
+    rows = torch.cat(_batches())  # 8 sequences: 2 held out
+    space = LevelSpace.of(budget, mlp_levels=8)
+    lv = space.snap({"attn": [1, 0, 0], "mlp": [24, 16, 8]})
+    opts = SearchOptions(cv_ridges=(0.001, 0.1, 10.0, 1000.0))
+    before = {key: b.gram.clone() for key, b in db.blocks.items()}
+    out, report = cross_validate_ridge(model, db, _batches(), lv, opts)
+    fit = build_database(model, list(rows[:6].split(2)), scores, {k: budget.limits(k) for k in ("attn", "mlp")},
+                         "criterion", settings.reconstruct_ridge)
+    expected = {}
+    for r in opts.cv_ridges:
+        fit.ridge = r
+        fit._cache.clear()
+        expected[r] = KLFitness(model, fit, rows[6:])(lv, 2)
+    assert report["sequences"] == 2 and report["chosen_by"] == "cv"
+    assert [report["kl"][str(r)] for r in opts.cv_ridges] == pytest.approx([expected[r] for r in opts.cv_ridges],
+                                                                            rel=1e-4)
+    best = min(expected, key=expected.get)
+    assert len({round(v, 6) for v in expected.values()}) > 1  # the ridges differ, so the choice means something
+    assert report["chosen"] == best and out.ridge == pytest.approx(best * 6 / 8) and out.ridge_validated
+    assert out.blocks is db.blocks and db.ridge == settings.reconstruct_ridge
+    assert all(torch.equal(before[key], b.gram) for key, b in db.blocks.items())  # the Grams are untouched
+    too_few = cross_validate_ridge(model, db, _batches(1), lv, opts)
+    assert too_few[0] is db and too_few[1]["chosen_by"].startswith("fixed")
 
 
 def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path):
@@ -376,11 +413,13 @@ def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_p
     assert "| default (quick) | 0.2 |" in (tmp_path / "s.md").read_text()
 
 
-@pytest.mark.parametrize("order,method", [("criterion", "least_squares"), ("obs", "obs"), ("obs", "least_squares")])
-def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order, method):
+@pytest.mark.parametrize("order,method,cut_ridge", [("criterion", "least_squares", "fixed"), ("obs", "obs", "fixed"),
+                                                    ("obs", "least_squares", "fixed"), ("obs", "least_squares", "cv")])
+def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order, method, cut_ridge):
     """The cut of a search plan takes its repair from the levels database: the same model as fitting it again
     (`reconstruct.cut_and_reconstruct`), the same figures; another repair than the database's is fitted as usual.
-    OBS's order with least_squares (the default) refits OBS's units as least_squares does."""
+    OBS's order with least_squares (the default) refits OBS's units as least_squares does. With `cut_ridge: cv`
+    the database holds the cross-validated ridge: fitting again with that ridge gives the same model."""
     import copy
 
     from prunelight.levels import cut_with_levels
@@ -388,13 +427,19 @@ def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_agai
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
     settings = settings_of(0.25, criterion="flap", allocation="search", reconstruct=method, allocation_args={
-        "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "order": order})
+        "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "order": order,
+        "cut_ridge": cut_ridge, "cv_ridges": [0.01, 1.0, 30.0]})
     plan, _ = make_plan(model, _batches(), settings)
     assert plan.levels is not None and plan.levels.order == order and plan.levels.repair == method
+    cv = plan.meta["search"]["ridge_cv"]
+    assert cv["chosen_by"] == cut_ridge and cv["ridge"] == plan.levels.ridge
+    assert (plan.levels.ridge == settings.reconstruct_ridge) == (cut_ridge == "fixed")
     fast, slow = copy.deepcopy(model), copy.deepcopy(model)
     other = copy.deepcopy(plan)
     figures = cut_with_levels(fast, plan, plan.levels, settings, _batches())
-    fitted = cut_and_reconstruct(slow, other, _batches(), settings)
+    fitted = cut_and_reconstruct(slow, other, _batches(), settings_of(
+        0.25, criterion="flap", reconstruct=method, reconstruct_ridge=plan.levels.ridge))
+    assert figures is not None and figures["ridge"] == pytest.approx(plan.levels.ridge)
     assert figures is not None and figures["from"] == "levels_database"
     assert [lp.keep_channels for lp in plan.layers] == [lp.keep_channels for lp in other.layers]
     ids = torch.cat(_batches(1))

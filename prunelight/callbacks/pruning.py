@@ -161,9 +161,10 @@ class PruningCallback(L.Callback):
 def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
     """One line for the cut summary: how much of the cut's output error the repair removed."""
     if trainer.is_global_zero and figures.get("rel_err_before_mean") is not None:
-        log.info("reconstruction (%s, %s inputs): relative output error of the cut sub-blocks %.4f -> %.4f on "
-                 "%d calibration tokens, %.1f s", figures["method"], figures["inputs"], figures["rel_err_before_mean"],
-                 figures["rel_err_after_mean"], figures["tokens"], figures["time_s"])
+        ridge = f", ridge {figures['ridge']:.4g}" if "ridge" in figures else ""
+        log.info("reconstruction (%s, %s inputs%s): relative output error of the cut sub-blocks %.4f -> %.4f on "
+                 "%d calibration tokens, %.1f s", figures["method"], figures["inputs"], ridge,
+                 figures["rel_err_before_mean"], figures["rel_err_after_mean"], figures["tokens"], figures["time_s"])
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
