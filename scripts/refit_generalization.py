@@ -23,8 +23,7 @@ import torch
 import prunelight
 from prunelight import bench
 from prunelight.allocation import make_budget
-from prunelight.allocation.search import KLFitness, LevelSpace, SearchOptions
-from prunelight.allocation.width import uniform_counts
+from prunelight.allocation.search import KLFitness, LevelSpace, SearchOptions, seed_levels
 from prunelight.levels import database_key, load_database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,9 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     if not state.is_file():
         p.error(f"{state} is missing: run the search at --ratio {args.ratio} with this --state-dir first")
     space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels)
-    g, c = uniform_counts(budget)  # the search's uniform seed (`seed_levels`)
+    scores = prunelight.score(model, settings, own.calibration_batches(8)).unit_scores
     levels = {"search result": torch.load(state, weights_only=False)["parent"],
-              "uniform seed": space.snap({"attn": [min(g, n) for n in budget.n_groups], "mlp": [c] * budget.num_layers})}
+              "uniform seed": seed_levels(space, scores)["uniform"]}
     n = args.sequences
     sets = {"own calibration sequences": own.calib[:n], "other calibration windows": other.calib[:n],
             "evaluation text": own.eval[:n]}
