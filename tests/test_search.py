@@ -411,6 +411,25 @@ def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_p
     assert [t["generation"] for t in row["search"]["trajectory"]] == [0, 1]  # the changed generations ran
     assert data["meta"]["settings_variants"] == {"quick": quick}
     assert "| default (quick) | 0.2 |" in (tmp_path / "s.md").read_text()
+    # scripts/refit_generalization.py reads that run's folder: at the run's ridge, the search result's KL on the
+    # calibration sequences it measured is the search's own figure
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "refit_generalization.py"
+    spec = importlib.util.spec_from_file_location("refit_generalization", path)
+    refit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refit)
+    refit.main(["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
+                "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--sequences", "4",
+                "--ridges", "0.01", "100", "--state-dir", str(tmp_path / "state"), "--out-dir", str(tmp_path),
+                "--name", "g"])
+    rows = json.loads((tmp_path / "g.json").read_text())["rows"]
+    assert [(r["ridge"], r["levels"]) for r in rows] == [(0.01, "search result"), (0.01, "uniform seed"),
+                                                        (100.0, "search result"), (100.0, "uniform seed")]
+    assert rows[0]["kl"]["own calibration sequences"] == pytest.approx(row["search"]["kl"], rel=1e-6)
+    assert rows[2]["kl"]["own calibration sequences"] != pytest.approx(rows[0]["kl"]["own calibration sequences"])
+    assert "| 100 | uniform seed |" in (tmp_path / "g.md").read_text()
 
 
 @pytest.mark.parametrize("order,method,cut_ridge", [("criterion", "least_squares", "fixed"), ("obs", "obs", "fixed"),
