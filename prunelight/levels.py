@@ -42,8 +42,10 @@ REPAIRS = ("least_squares", "obs")  # the refits a database can hold
 KINDS = ("attn", "mlp")
 
 
-def input_grams(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Per layer, the Gram of the o_proj / down_proj inputs over `batches` of the dense model, and the tokens."""
+def input_grams(model: nn.Module, batches: list[torch.Tensor], reduce_sum: ReduceSum | None = None,
+                ) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Per layer, the Gram of the o_proj / down_proj inputs over `batches` of the dense model, and the tokens
+    (both summed over ranks with `reduce_sum`)."""
     base = unwrap(model)
     crit = ObsCriterion()
     crit.attach(base)
@@ -57,7 +59,11 @@ def input_grams(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[dic
     finally:
         crit.detach()
         base.train(was_training)
-    return crit.grams, int(crit.tokens)
+    grams, tokens = crit.grams, int(crit.tokens)
+    if reduce_sum is not None:
+        grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
+        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
+    return grams, tokens
 
 
 def stats_from_gram(w: torch.Tensor, gram: torch.Tensor, kept_cols: torch.Tensor, tokens: int,
@@ -115,7 +121,12 @@ class LevelsDatabase:
     cache_bytes: int = 1 << 29  # derived weights kept (least recently used first out)
     build_s: float = 0.0
     ridge_validated: bool = False  # the ridge was chosen by cross-validation (search's cut_ridge: cv), not the run's
-    _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def set_ridge(self, ridge: float) -> None:
+        """Derive every later level's refit with this ridge (the cached refits of the old one are dropped)."""
+        self.ridge = float(ridge)
+        self._cache.clear()
 
     def weight_at(self, kind: str, layer: int, removed: int) -> torch.Tensor:
         """The full-width output-projection weight (fp32) with the first `removed` units of the order gone
@@ -199,10 +210,7 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
         raise ValueError(f"levels repair={repair!r} is not allowed with order {order!r}: use least_squares, or obs "
                          "with order obs")
     t0 = time.perf_counter()
-    grams, tokens = input_grams(model, batches)
-    if reduce_sum is not None:
-        grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
-        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
+    grams, tokens = input_grams(model, batches, reduce_sum)
     blocks = {}
     for kind, i, cols, w in _dense_blocks(model, grams):
         g = grams[i][kind]

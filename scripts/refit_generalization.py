@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     fits = {name: KLFitness(model, db, rows) for name, rows in sets.items()}
     rows = []
     for ridge in args.ridges:
-        db.ridge = ridge
-        db._cache.clear()
+        db.set_ridge(ridge)
         for name, lv in levels.items():
             kl = {s: fit(lv, n) for s, fit in fits.items()}
             rows.append({"ridge": ridge, "levels": name, "kl": kl})

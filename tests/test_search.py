@@ -215,8 +215,7 @@ def test_cut_ridge_cv_picks_the_ridge_of_least_kl_on_held_out_sequences():
                          "criterion", settings.reconstruct_ridge)
     expected = {}
     for r in opts.cv_ridges:
-        fit.ridge = r
-        fit._cache.clear()
+        fit.set_ridge(r)
         expected[r] = KLFitness(model, fit, rows[6:])(lv, 2)
     assert report["sequences"] == 2 and report["chosen_by"] == "cv"
     assert [report["kl"][str(r)] for r in opts.cv_ridges] == pytest.approx([expected[r] for r in opts.cv_ridges],

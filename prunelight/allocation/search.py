@@ -26,6 +26,7 @@ evaluating a candidate is one masked forward of the model with those weights swa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -484,10 +485,7 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
                     "prune.reconstruct_ridge=%s", db.ridge)
         return db, {"chosen_by": "fixed (fewer than 4 calibration sequences)", "ridge": db.ridge}
     held = rows[-h:]
-    grams, held_tokens = input_grams(model, list(held.split(max(int(batches[0].shape[0]), 1))))
-    if reduce_sum is not None:
-        grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
-        held_tokens = int(reduce_sum(torch.tensor([float(held_tokens)], dtype=torch.float64))[0])
+    grams, held_tokens = input_grams(model, list(held.split(max(int(batches[0].shape[0]), 1))), reduce_sum)
     fit_blocks = {}
     for (kind, i), b in db.blocks.items():
         g = grams[i][kind].to(b.gram.device)
@@ -498,13 +496,11 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
     fitness = KLFitness(model, fit, held, reduce_sum=reduce_sum, top_k=top_k)
     kl: dict[float, float] = {}
     for r in progress(list(options.cv_ridges), "cut ridge (cross-validation)", unit="ridge"):
-        fit.ridge = float(r)
-        fit._cache.clear()
+        fit.set_ridge(r)
         kl[float(r)] = fitness(levels, h)
     best = min(kl, key=lambda r: (kl[r], r))
     final = best * fit_tokens / db.tokens
-    out = LevelsDatabase(db.blocks, db.order, final, db.tokens, db.key, repair=db.repair, cache_bytes=db.cache_bytes,
-                         build_s=db.build_s, ridge_validated=True)
+    out = dataclasses.replace(db, ridge=final, ridge_validated=True)  # the same Grams, refits derived anew
     report = {"chosen_by": "cv", "sequences": h, "kl": {str(r): v for r, v in kl.items()}, "chosen": best,
               "ridge": final, "seconds": time.perf_counter() - t0}
     log.info("allocation search: cut ridge %.4g (%.4g on %d held-out sequences, KL %.5f; %s)", final, best, h,
