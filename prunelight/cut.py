@@ -140,6 +140,11 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum)
                    if plan.levels is not None else None)
         if figures is None:
+            if plan.levels is not None and plan.levels.ridge_validated:  # e.g. fewer calibration batches at the cut
+                log.warning("the search's cross-validated ridge %.4g is not the cut's: the cut refits on other "
+                            "calibration tokens than the levels database (prune.max_calibration_batches, "
+                            "fast_dev_run), with prune.reconstruct_ridge=%s", plan.levels.ridge,
+                            settings.reconstruct_ridge)
             figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)
         result.reconstruction = figures if settings.reconstruct != "none" else None
         result.cut = True

@@ -482,3 +482,21 @@ def test_prune_with_search_cuts_from_the_database_and_forgets_it():
     result = run_cut(model, _batches(), prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2,
                                                                 allocation_args=args))
     assert result.reconstruction["from"] == "levels_database" and result.plan.levels is None
+
+
+def test_a_cut_on_fewer_calibration_batches_says_it_does_not_use_the_cross_validated_ridge(caplog):
+    """With prune.max_calibration_batches below the database's batches the cut refits with prune.reconstruct_ridge,
+    and says so in one warning line."""
+    import logging
+
+    import prunelight
+    from prunelight.cut import run_cut
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    args = {"generations": 1, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8}
+    settings = prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2, allocation_args=args,
+                                        max_calibration_batches=2)
+    with caplog.at_level(logging.WARNING, logger="prunelight.cut"):
+        result = run_cut(model, _batches(), settings)
+    assert "from" not in result.reconstruction and result.reconstruction["ridge"] == settings.reconstruct_ridge
+    assert "cross-validated ridge" in caplog.text
