@@ -10,6 +10,7 @@ the dense model, so a bad saved file fails before any evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from torch import nn
 from prunelight.allocation import Budget, Shape, allocation_of
 from prunelight.importance import UnitScores
 from prunelight.levels import cut_with_levels
-from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan
+from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan, validated_ridge
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.record import CalibrationRecord, RunRecord
@@ -140,11 +141,13 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum)
                    if plan.levels is not None else None)
         if figures is None:
-            if plan.levels is not None and plan.levels.ridge_validated:  # e.g. fewer calibration batches at the cut
-                log.warning("the search's cross-validated ridge %.4g is not the cut's: the cut refits on other "
-                            "calibration tokens than the levels database (prune.max_calibration_batches, "
-                            "fast_dev_run), with prune.reconstruct_ridge=%s", plan.levels.ridge,
-                            settings.reconstruct_ridge)
+            # A saved plan re-applied, or fewer calibration batches than the search's database (fast_dev_run,
+            # prune.max_calibration_batches): the refit is fitted again, with the ridge the search chose for it.
+            ridge = validated_ridge(plan)
+            if ridge is not None and ridge != settings.reconstruct_ridge:
+                log.info("the cut repairs with the ridge the search cross-validated for this plan, %.4g (the plan "
+                         "wins over prune.reconstruct_ridge=%s)", ridge, settings.reconstruct_ridge)
+                settings = dataclasses.replace(settings, reconstruct_ridge=ridge)
             figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)
         result.reconstruction = figures if settings.reconstruct != "none" else None
         result.cut = True

@@ -126,6 +126,7 @@ def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> 
     The plan wins over the settings' ratio, criterion and allocation; its figures say what it removes here.
     """
     made = plan.meta
+    ridge = validated_ridge(plan)
     budget = make_budget(model, PruneSettings())
     removed = plan_params_removed(budget, plan)
     budget = dataclasses.replace(budget, target=removed, ratio=removed / budget.total)
@@ -136,7 +137,18 @@ def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> 
                 "samples": 0, "applies_to": model_facts(model), "plan_source": source,
                 "made_with": {k: made.get(k) for k in ("criterion", "allocation", "ratio", "target", "scores_source")
                               if made.get(k) is not None}}
+    if ridge is not None:  # the repair is part of the plan: re-applied, it gives the model the run wrote
+        out.meta["made_with"]["ridge_cv"] = {"chosen_by": "cv", "ridge": ridge}
     return out, budget
+
+
+def validated_ridge(plan: PrunePlan) -> float | None:
+    """The least-squares ridge the search cross-validated for this plan (`cut_ridge: cv`), else None."""
+    if plan.levels is not None and plan.levels.ridge_validated:
+        return float(plan.levels.ridge)
+    meta = plan.meta
+    cv = (meta.get("search") or {}).get("ridge_cv") or (meta.get("made_with") or {}).get("ridge_cv") or {}
+    return float(cv["ridge"]) if cv.get("chosen_by") == "cv" and cv.get("ridge") is not None else None
 
 
 def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSettings, reduce_sum: ReduceSum | None,

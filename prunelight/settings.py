@@ -210,7 +210,8 @@ class PruneSettings:
     """Instead of `ratio`: KV-cache bytes per token at a dtype, e.g. "64KiB@bf16"; only GQA groups are removed."""
     plan: str | None = None
     """Apply a saved plan (a plan.json, report.json or Lightning .ckpt) with no scoring; it wins over the
-    ratio, criterion and allocation (docs/methods.md, "Plans and scores that travel")."""
+    ratio, criterion, allocation and, with a cross-validated ridge, reconstruct_ridge (docs/methods.md, "Plans and
+    scores that travel")."""
     scores: str | None = None
     """Re-allocate from a saved scores.pt (made with this criterion on this model) with no scoring pass."""
 

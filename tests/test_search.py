@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -484,19 +485,41 @@ def test_prune_with_search_cuts_from_the_database_and_forgets_it():
     assert result.reconstruction["from"] == "levels_database" and result.plan.levels is None
 
 
-def test_a_cut_on_fewer_calibration_batches_says_it_does_not_use_the_cross_validated_ridge(caplog):
-    """With prune.max_calibration_batches below the database's batches the cut refits with prune.reconstruct_ridge,
-    and says so in one warning line."""
+def test_a_saved_search_plan_reapplied_repairs_with_its_cross_validated_ridge(tmp_path, caplog):
+    """The cross-validated ridge is part of the plan: `prune.plan` re-applies it with that ridge (the model the
+    run wrote), and so does a cut on fewer calibration batches than the database's, each saying so in one line."""
+    import copy
     import logging
 
     import prunelight
     from prunelight.cut import run_cut
+    from prunelight.saved import plan_document, write_plan
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
-    args = {"generations": 1, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8}
-    settings = prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2, allocation_args=args,
-                                        max_calibration_batches=2)
-    with caplog.at_level(logging.WARNING, logger="prunelight.cut"):
-        result = run_cut(model, _batches(), settings)
-    assert "from" not in result.reconstruction and result.reconstruction["ridge"] == settings.reconstruct_ridge
-    assert "cross-validated ridge" in caplog.text
+    args = {"generations": 1, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8,
+            "cv_ridges": [1.0, 30.0]}
+    settings = prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2, allocation_args=args)
+    dense = copy.deepcopy(model)
+    first = run_cut(model, _batches(), settings)
+    ridge = first.plan.meta["search"]["ridge_cv"]["ridge"]
+    assert first.reconstruction["from"] == "levels_database" and ridge > 0.5 > settings.reconstruct_ridge
+    path = write_plan(tmp_path / "plan.json", plan_document(first.plan, model, 0, 0, settings))
+
+    again = copy.deepcopy(dense)
+    with caplog.at_level(logging.INFO, logger="prunelight.cut"):
+        second = run_cut(again, _batches(), prunelight.PruneSettings(plan=str(path)))
+    assert second.reconstruction["ridge"] == pytest.approx(ridge)
+    assert second.plan.meta["made_with"]["ridge_cv"] == {"chosen_by": "cv", "ridge": ridge}
+    assert "cross-validated for this plan" in caplog.text
+    ids = torch.cat(_batches(1))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+    # fewer calibration batches at the cut than in the database: fitted again, with the same ridge
+    fewer = run_cut(copy.deepcopy(dense), _batches(), dataclasses.replace(settings, max_calibration_batches=2))
+    assert "from" not in fewer.reconstruction and fewer.reconstruction["ridge"] == pytest.approx(
+        fewer.plan.meta["search"]["ridge_cv"]["ridge"])
+    # a plan of the fixed ridge has none: prune.reconstruct_ridge repairs it
+    fixed = dataclasses.replace(settings, allocation_args={**args, "cut_ridge": "fixed"})
+    assert run_cut(copy.deepcopy(dense), _batches(), fixed).reconstruction["ridge"] == settings.reconstruct_ridge
+
