@@ -114,6 +114,9 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
     if isinstance(run, PruneSettings):
         run = prepare_run(run, shape, model=twin or model)
     settings = run.settings
+    advice = alignment_advice(next(model.parameters()).device, settings)
+    if advice:
+        log.warning(advice)
     source = source or prepare_cut(model, run, twin=twin)
     if scores is not None:
         source = CutSource(plan=source.plan, budget=source.budget, saved=scores)
@@ -154,6 +157,15 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         result.times_s["surgery"] = time.perf_counter() - t0
     plan.levels = None  # the database (Grams of every layer) is not kept through recovery
     return result
+
+
+def alignment_advice(device: torch.device, settings: PruneSettings) -> str | None:
+    """One line when a cut on a CUDA device chooses MLP widths the tensor cores handle badly, else None."""
+    if device.type != "cuda" or settings.align_channels % 8 == 0 or settings.plan:
+        return None  # bf16 matrix products want multiples of 8; a saved plan's widths are already chosen
+    return (f"prune.align_channels={settings.align_channels} on a CUDA device: MLP widths that are not multiples of 8 "
+            "miss the tensor cores (Llama-3-8B shape on an H100, 20% cut: prefill 0.4x dense unaligned, 1.3x with "
+            "128); set prune.align_channels: 128 for a model served on GPUs")
 
 
 def measured_scores(unit_scores: UnitScores, layer_importance: dict[str, list[float]] | None = None,

@@ -199,6 +199,23 @@ def test_scoring_cost_tiny_reports_floors_and_ratios(tmp_path):
     assert "| taylor |" in (tmp_path / "scoring_cost.md").read_text()
 
 
+def test_gpu_phases_tiny_runs_every_phase_on_cpu(tmp_path):
+    """The GPU phase script's code path at a tiny shape: every phase ok, the cut at its ratio, speed per model."""
+    phases = _script("gpu_phases")
+    phases.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--speed-ratios", "0.3", "--batch-sizes", "1",
+                 "--out", str(tmp_path / "p"), "--work", str(tmp_path / "w")])
+    data = json.loads((tmp_path / "p.json").read_text())
+    status = {r["phase"]: r["status"] for r in data["phases"]}
+    assert set(status.values()) == {"ok"}, status
+    assert {"build", "score taylor", "score taylor_element", "export (safetensors)", "lora recovery"} <= set(status)
+    cut = next(r for r in data["phases"] if r["phase"].startswith("cut"))
+    assert abs(cut["removed"] - 0.2) < 0.01
+    lora = next(r for r in data["phases"] if r["phase"] == "lora recovery")
+    assert lora["trainable_params"] > 0 and lora["tokens_per_s"] > 0
+    assert {r["model"] for r in data["speed"]} == {"dense", "30% align 1", "30% align 32"}
+    assert "| lora recovery | ok |" in (tmp_path / "p.md").read_text()
+
+
 def test_speed_tiny_times_dense_and_pruned_models(tmp_path):
     bench = _script("benchmark_speed")
     bench.main(["--tiny", "--ratios", "0.3", "--out-dir", str(tmp_path)])

@@ -296,6 +296,32 @@ def test_full_recovery_checkpoint_keeps_all_weights(tmp_path, monkeypatch):
 
 
 # --- what needs CUDA ------------------------------------------------------------------------------
+def _gpu_job(tmp_path: Path, stage: int, accelerator: str = "gpu") -> Path:
+    """The ZeRO-`stage` prune-and-recover job of the CUDA test (allocation global: search, the default, runs masked
+    forwards that ZeRO-3 partitions refuse, as configs/llama3-70b-zero3.yaml says)."""
+    cfg = yaml.safe_load(_job(tmp_path, 2).read_text())
+    cfg["trainer"].update(accelerator=accelerator, devices=1, precision="bf16-mixed" if accelerator == "gpu" else "32")
+    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
+                                  "init_args": {"stage": stage, "exclude_frozen_parameters": True}}
+    cfg["prune"]["allocation"] = "global"
+    path = tmp_path / f"gpu{stage}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in of the CUDA test below")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_cuda_job_passes_every_check_before_lightnings_cuda_refusal(tmp_path, monkeypatch, stage):
+    """The CUDA test's job on CPU gets as far as Lightning's own "CUDA only" stop: no prunelight refusal comes
+    first (on an H100 the ZeRO-3 case once stopped at the run plan's refusal of the default allocation)."""
+    from prunelight.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception, match="CUDA") as err:
+        cli_main(["fit", "--config", str(_gpu_job(tmp_path, stage, accelerator="cpu"))])
+    assert "not available with ZeRO-3" not in str(err.value)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_fit_on_gpu(tmp_path, monkeypatch, stage):
@@ -303,12 +329,6 @@ def test_deepspeed_fit_on_gpu(tmp_path, monkeypatch, stage):
     from prunelight.cli import cli_main
 
     monkeypatch.chdir(tmp_path)
-    cfg = yaml.safe_load(_job(tmp_path, 2).read_text())
-    cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
-    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
-                                  "init_args": {"stage": stage, "exclude_frozen_parameters": True}}
-    path = tmp_path / "gpu.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cli = cli_main(["fit", "--config", str(path)])
+    cli = cli_main(["fit", "--config", str(_gpu_job(tmp_path, stage))])
     assert cli.trainer.global_step == 2 and cli.model.pretrained_is_pruned
     assert json.loads((tmp_path / "out" / "report.json").read_text())["ppl"]["recovered"] > 0

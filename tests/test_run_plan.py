@@ -162,3 +162,18 @@ def test_every_layer_emptied_is_refused_from_sizes():
     with pytest.raises(ValueError, match="would remove every decoder layer"):
         precheck(model, settings_of(ratio, min_groups=0, min_channels=0, align_channels=32))
     precheck(model, settings_of(ratio, min_groups=0, min_channels=0))  # one channel of overshoot leaves the norms
+
+
+def test_a_cut_on_a_gpu_with_unaligned_widths_says_how_to_align_them():
+    """On CUDA, widths not in multiples of 8 get one line naming prune.align_channels; elsewhere, or aligned, none."""
+    from prunelight.cut import alignment_advice
+    from prunelight.settings import PruneSettings
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    line = alignment_advice(cuda, PruneSettings(align_channels=1))
+    assert line and "prune.align_channels=1" in line and "prune.align_channels: 128" in line
+    assert "prune.align_channels=12" in alignment_advice(cuda, PruneSettings(align_channels=12))
+    assert alignment_advice(cuda, PruneSettings(align_channels=8)) is None
+    assert alignment_advice(cuda, PruneSettings(align_channels=128)) is None
+    assert alignment_advice(cpu, PruneSettings(align_channels=1)) is None
+    assert alignment_advice(cuda, PruneSettings(align_channels=1, plan="plan.json")) is None
