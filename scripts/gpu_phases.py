@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         args.compile = "" if args.tiny else f"dense,{ratios[0]:.0%} align {args.align}"
     compiled = {c.strip() for c in args.compile.split(",") if c.strip()}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here (--tiny --device cpu --dtype float32 checks the code path)")
     shape = TINY if args.tiny else LLAMA3_8B
     ph = Phases(args)
     gen = torch.Generator().manual_seed(0)
