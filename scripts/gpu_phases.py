@@ -173,9 +173,9 @@ def lora_steps(model, args: argparse.Namespace, device: torch.device) -> dict:
         times.append(time.perf_counter() - t)
     peft_model.unload()  # leaves the base model as it was
     model.gradient_checkpointing_disable()
+    step = statistics.median(times[2:] or times)
     return {"record": {"trainable_params": sum(p.numel() for p in trainable), "last_loss": float(loss),
-                       "step_seconds_median": statistics.median(times[2:] or times),
-                       "tokens_per_s": args.seq_len / statistics.median(times[2:] or times)}}
+                       "step_seconds_median": step, "tokens_per_s": args.seq_len / step}}
 
 
 def speed_rows(name: str, model, args: argparse.Namespace, compiled: bool) -> list[dict]:
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         pruned = copy.deepcopy(dense)
         settings = bench.preset_settings(None, ratio=args.ratio, criterion="taylor", allocation="global",
                                          reconstruct="least_squares")
-        _, plan = prunelight.prune(pruned, settings, calibration, scores=taylor)
+        prunelight.prune(pruned, settings, calibration, scores=taylor)
         kept = sum(q.numel() for q in pruned.parameters())
         return {"model": pruned, "record": {"params_after": kept, "removed": 1 - kept / ph.meta["params"]}}
 
@@ -285,7 +285,6 @@ def main(argv: list[str] | None = None) -> None:
         ph.run("export (safetensors)", export)
         ph.run("lora recovery", lambda: lora_steps(pruned, args, device), lora_r=args.lora_r, steps=args.lora_steps)
         del pruned, out
-    dense.eval()
 
     def cut_for_speed(ratio: float, align: int):
         model = copy.deepcopy(dense)
