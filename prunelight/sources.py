@@ -19,6 +19,7 @@ the cut, recovery and export treat it like any other and the export is a plain s
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.resources
 import importlib.util
 from collections.abc import Iterator
@@ -156,18 +157,58 @@ def resolve_pretrained(pretrained: str, gguf_file: str | None = None, option: st
     return ModelSource(value, str(path))
 
 
+@dataclass(frozen=True)
+class _GgufHeader:
+    """What the checks and the report need from a GGUF file's header and tensor table (no tensor data)."""
+
+    error: str | None  # why the reader failed on it, else None
+    end: int = 0  # the last byte any tensor needs
+    arch: str | None = None
+    per_layer_heads: bool = False
+    q_bias: bool = False
+    rope_freqs: bool = False
+    file_type: int | None = None
+
+
+def _gguf_header(path: Path) -> _GgufHeader:
+    """The header of `path`, parsed once per file version: a run reads it for the check before each load and for
+    the report, and parsing a tokenizer's vocabulary takes seconds."""
+    try:
+        st = path.stat()
+    except OSError as err:
+        return _GgufHeader(f"{type(err).__name__}: {err.strerror or err}")
+    return _parse_gguf_header(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_gguf_header(path: str, size: int, mtime_ns: int) -> _GgufHeader:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as err:  # noqa: BLE001 - numpy, struct and the reader raise many kinds on a damaged file
+        return _GgufHeader(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'}")
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    heads = reader.fields.get(f"{arch}.attention.head_count")
+    ftype = reader.fields.get("general.file_type")
+    return _GgufHeader(None, end, arch,
+                       per_layer_heads=heads is not None and heads.types[0] == gguf.GGUFValueType.ARRAY,
+                       q_bias=any(t.name.endswith(".attn_q.bias") for t in reader.tensors),
+                       rope_freqs=any(t.name == "rope_freqs.weight" for t in reader.tensors),
+                       file_type=int(ftype.parts[ftype.data[0]][0]) if ftype is not None else None)
+
+
 def gguf_quantization(path: Path) -> str | None:
     """The GGUF file's quantization type as llama.cpp names it (e.g. Q4_1), from its header; None if unknown."""
     try:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields.get("general.file_type")
-        if field is None:
+        code = _gguf_header(path).file_type
+        if code is None:
             return None
-        code = int(field.parts[field.data[0]][0])
-        name = gguf.LlamaFileType(code).name
-        return name.removeprefix("MOSTLY_").replace("ALL_", "")
+        return gguf.LlamaFileType(code).name.removeprefix("MOSTLY_").replace("ALL_", "")
     except Exception:  # the report line is informative only; loading reports real problems
         return None
 
@@ -177,34 +218,26 @@ def check_gguf_file(path: Path, option: str, value: str) -> None:
 
     Its header and tensor table are read (no tensor data): every tensor's bytes must lie inside the file.
     """
-    import gguf
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-        size = path.stat().st_size
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as err:  # noqa: BLE001 - numpy, struct and the reader raise many kinds on a damaged file
-        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated or corrupt: "
-                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'})") from None
-    if end > size:
-        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated: its tensors need {end} bytes, "
-                              f"the file has {size})")
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
+    head = _gguf_header(path)
+    if head.error is not None:
+        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated or corrupt: {head.error})")
+    size = path.stat().st_size
+    if head.end > size:
+        raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated: its tensors need "
+                              f"{head.end} bytes, the file has {size})")
     readable = sorted(a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer"))
-    heads = reader.fields.get(f"{arch}.attention.head_count")
-    per_layer = heads is not None and heads.types[0] == gguf.GGUFValueType.ARRAY
-    if arch not in GGUF_CONFIG_MAPPING or per_layer:
-        why = "its per-layer head counts" if per_layer else f"architecture {arch!r}"
+    if head.arch not in GGUF_CONFIG_MAPPING or head.per_layer_heads:
+        why = "its per-layer head counts" if head.per_layer_heads else f"architecture {head.arch!r}"
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader cannot read {why} (it reads one width for "
                               f"every layer of {', '.join(readable)}); load the Hugging Face folder prunelight wrote "
                               "beside it instead")
-    if arch == "llama" and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
+    if head.arch == "llama" and head.q_bias:
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader drops its q/k/v biases (a Qwen2 or "
                               "biased Llama written as llama); load the Hugging Face folder (or checkpoint) it was "
                               "written from instead")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if head.rope_freqs:
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader ignores its Llama-3 rope scaling "
                               "(rope_freqs.weight) and would run it unscaled; load the Hugging Face folder (or "
                               "checkpoint) it was written from instead")

@@ -103,6 +103,27 @@ def test_truncated_gguf_is_named_before_anything_loads(tiny, tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_a_gguf_header_is_parsed_once_per_file_version(tiny, tmp_path, monkeypatch):
+    """The checks before each load and the report's quantization share one parse; a file rewritten in place (the same
+    path, another size) is parsed again, so a good file truncated afterwards is still refused."""
+    source, _ = tiny
+    path = tmp_path / "m.gguf"
+    data = source.gguf_path.read_bytes()
+    path.write_bytes(data)
+    expected = sources.gguf_quantization(source.gguf_path)
+    parses = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real(*a, **k))
+    for _ in range(3):
+        sources.check_gguf_file(path, "model.pretrained", str(path))
+    assert sources.gguf_quantization(path) == expected
+    assert len(parses) == 1
+    path.write_bytes(data[:20000])
+    with pytest.raises(PrunelightError, match="is not a complete GGUF file"):
+        sources.check_gguf_file(path, "model.pretrained", str(path))
+    assert len(parses) == 2
+
+
 def test_block_size_refusals_from_the_config_alone():
     config = tiny_config("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16)
