@@ -162,6 +162,7 @@ class _GgufHeader:
     """What the checks and the report need from a GGUF file's header and tensor table (no tensor data)."""
 
     error: str | None  # why the reader failed on it, else None
+    size: int = 0  # the file's bytes when parsed
     end: int = 0  # the last byte any tensor needs
     arch: str | None = None
     per_layer_heads: bool = False
@@ -193,7 +194,7 @@ def _parse_gguf_header(path: str, size: int, mtime_ns: int) -> _GgufHeader:
     arch = field.contents() if field is not None else None
     heads = reader.fields.get(f"{arch}.attention.head_count")
     ftype = reader.fields.get("general.file_type")
-    return _GgufHeader(None, end, arch,
+    return _GgufHeader(None, size, end, arch,
                        per_layer_heads=heads is not None and heads.types[0] == gguf.GGUFValueType.ARRAY,
                        q_bias=any(t.name.endswith(".attn_q.bias") for t in reader.tensors),
                        rope_freqs=any(t.name == "rope_freqs.weight" for t in reader.tensors),
@@ -223,10 +224,9 @@ def check_gguf_file(path: Path, option: str, value: str) -> None:
     head = _gguf_header(path)
     if head.error is not None:
         raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated or corrupt: {head.error})")
-    size = path.stat().st_size
-    if head.end > size:
+    if head.end > head.size:
         raise PrunelightError(f"{option}={value!r} is not a complete GGUF file (truncated: its tensors need "
-                              f"{head.end} bytes, the file has {size})")
+                              f"{head.end} bytes, the file has {head.size})")
     readable = sorted(a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer"))
     if head.arch not in GGUF_CONFIG_MAPPING or head.per_layer_heads:
         why = "its per-layer head counts" if head.per_layer_heads else f"architecture {head.arch!r}"
