@@ -61,8 +61,8 @@ from prunelight.surgery import apply_plan, check_plan
 
 RECONSTRUCTIONS = ("none", "bias", "least_squares", "obs")
 FIT_INPUT_CHOICES = ("dense", "pruned")
-# Dense inputs gave the lower calibration and held-out NLL on both reference models, at half the passes and
-# a quarter of the stored activations (docs/methods.md, Reconstruction).
+# Dense inputs gave the lower calibration and held-out NLL on both reference models and on SmolLM2, at half the
+# passes and a quarter of the stored activations (docs/methods.md, Reconstruction).
 FIT_INPUTS = "dense"
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]

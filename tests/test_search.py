@@ -230,6 +230,69 @@ def test_cut_ridge_cv_picks_the_ridge_of_least_kl_on_held_out_sequences():
     assert too_few[0] is db and too_few[1]["chosen_by"].startswith("fixed")
 
 
+def test_cut_ridge_cv_measures_the_alternatives_on_the_held_out_sequences_at_the_chosen_ridge():
+    """With alternatives (cv_seed's best seed), each is measured on the held-out sequences at the chosen ridge, as
+    an independent database fitted on the other sequences measures it; the plan of least held-out KL is named."""
+    from prunelight.allocation.search import cross_validate_ridge
+
+    model, settings, budget, scores, db = _setup(order="criterion")
+    rows = torch.cat(_batches())
+    space = LevelSpace.of(budget, mlp_levels=8)
+    lv = space.snap({"attn": [1, 0, 0], "mlp": [24, 16, 8]})
+    others = {"a": space.snap({"attn": [0, 1, 0], "mlp": [8, 24, 16]}),
+              "b": space.snap({"attn": [0, 0, 1], "mlp": [16, 8, 24]})}
+    opts = SearchOptions(cv_ridges=(0.001, 10.0))
+    _, report = cross_validate_ridge(model, db, _batches(), lv, opts, alternatives=others)
+    fit = build_database(model, list(rows[:6].split(2)), scores, {k: budget.limits(k) for k in ("attn", "mlp")},
+                         "criterion", settings.reconstruct_ridge)
+    fit.set_ridge(report["chosen"])
+    fitness = KLFitness(model, fit, rows[6:])
+    expected = {"search": fitness(lv, 2), **{k: fitness(v, 2) for k, v in others.items()}}
+    assert report["candidates"] == pytest.approx(expected, rel=1e-4)
+    assert len({round(v, 6) for v in expected.values()}) == 3  # they differ, so the choice means something
+    assert report["plan"] == min(expected, key=expected.get)
+    _, plain = cross_validate_ridge(model, db, _batches(), lv, opts)
+    assert "plan" not in plain and "candidates" not in plain  # nothing else measured without alternatives
+
+
+@pytest.mark.parametrize("winner", ["search", "seed"])
+def test_the_cut_takes_the_seed_that_generalizes_better_than_the_search_result(tmp_path, monkeypatch, winner):
+    """cv_seed: the best seed goes to the cross-validation as an alternative, and the cut (the final removal, the
+    reported levels and KL) is that seed's when its held-out KL is lower, else the search's result."""
+    import prunelight.allocation.search as search
+
+    model, settings, budget, scores, _ = _setup()
+    real = search.cross_validate_ridge
+    seen = {}
+
+    def cv(*args, **kwargs):
+        db, report = real(*args, **kwargs)
+        alternatives = args[7]
+        seen.update(alternatives)
+        # as if the held-out sequences preferred `winner`
+        return db, {**report, "plan": next(iter(alternatives)) if winner == "seed" else "search"}
+
+    monkeypatch.setattr(search, "cross_validate_ridge", cv)
+    opts = SearchOptions(generations=6, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
+    removed, res, db, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    monkeypatch.setattr(search, "cross_validate_ridge", real)
+    # the same search resumed from its state, without the seed's check: the search's own result
+    _, off, _, _ = run_search(model, _batches(), budget, scores, settings, dataclasses.replace(opts, cv_seed=False),
+                              state_dir=tmp_path)
+    assert "plan" not in off.ridge_cv
+    best_seed = min(off.seeds, key=lambda k: (off.seeds[k], k))
+    assert off.kl < off.seeds[best_seed]  # the search improved on its best seed, which is then the alternative
+    assert list(seen) == [best_seed] and seen[best_seed] != off.levels
+    if winner == "seed":
+        assert res.levels == seen[best_seed] and res.kl == off.seeds[best_seed]
+    else:
+        assert res.levels == off.levels and res.kl == off.kl
+    space = LevelSpace.of(budget, mlp_levels=8)
+    assert removed == finish(space, res.levels, db)
+    total = plan_params_removed(budget, build_plan(budget, removed))
+    assert budget.target <= total < budget.target + budget.c_cost
+
+
 def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path):
     """The row's measurement and allocation functions, with the contract's inputs (MeasureInputs / AllocationInputs)."""
     from types import SimpleNamespace

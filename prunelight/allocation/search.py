@@ -101,6 +101,10 @@ class SearchOptions:
     """Calibration sequences held out to choose the cut's ridge (at most a quarter of them)."""
     cv_ridges: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0)
     """The ridges (x mean diagonal of the kept inputs' Gram, as prune.reconstruct_ridge) `cut_ridge: cv` tries."""
+    cv_seed: bool = True
+    """With `cut_ridge: cv`, also measure the first generation's best seed on the held-out sequences (at the chosen
+    ridge) and cut it instead of the search's result when its KL there is lower: the search ranks candidates on its
+    own sequences, and a result that only fits those is not taken over a seed that generalizes better."""
     seeds: dict[str, Any] = field(default_factory=dict)
     """More plans for the first generation besides uniform and global: name -> the units each sub-block removes,
     {"attn": [[group, ...] per layer], "mlp": [[channel, ...] per layer]} (e.g. a stock cut's)."""
@@ -468,8 +472,12 @@ def calibration_rows(batches: Sequence[torch.Tensor], n: int | None = None) -> t
 
 def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence[torch.Tensor], levels: Levels,
                          options: SearchOptions, reduce_sum: ReduceSum | None = None, top_k: int | None = None,
-                         ) -> tuple[LevelsDatabase, dict[str, Any]]:
+                         alternatives: dict[str, Levels] | None = None) -> tuple[LevelsDatabase, dict[str, Any]]:
     """The cut's damping by cross-validation (`cut_ridge: cv`): the database with the chosen ridge, and the report.
+
+    `alternatives` (name -> levels, e.g. the best seed with `cv_seed`) are measured on the same held-out sequences at
+    the chosen ridge; the report's `plan` names the one of least held-out KL ("search": `levels`), and `candidates`
+    holds every held-out KL.
 
     With few calibration tokens per refit input (SmolLM2: 8192 tokens for down_proj's 1536 inputs) the refits fit
     their own tokens far better than other text (the search's KL on its sequences is about half the KL on other
@@ -499,12 +507,23 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
         fit.set_ridge(r)
         kl[float(r)] = fitness(levels, h)
     best = min(kl, key=lambda r: (kl[r], r))
+    candidates = {"search": kl[best]}
+    if alternatives:
+        fit.set_ridge(best)
+        for name, lv in alternatives.items():
+            candidates[name] = fitness(lv, h)
+    plan = min(candidates, key=lambda k: (candidates[k], k != "search"))  # a tie keeps the search's result
     final = best * fit_tokens / db.tokens
     out = dataclasses.replace(db, ridge=final, ridge_validated=True)  # the same Grams, refits derived anew
     report = {"chosen_by": "cv", "sequences": h, "kl": {str(r): v for r, v in kl.items()}, "chosen": best,
               "ridge": final, "seconds": time.perf_counter() - t0}
+    if alternatives:
+        report.update(candidates=candidates, plan=plan)
     log.info("allocation search: cut ridge %.4g (%.4g on %d held-out sequences, KL %.5f; %s)", final, best, h,
              kl[best], ", ".join(f"{r:g}: {v:.5f}" for r, v in kl.items()))
+    if plan != "search":
+        log.info("allocation search: the cut takes the seed %r (held-out KL %.5f against the search's %.5f)", plan,
+                 candidates[plan], candidates["search"])
     return out, report
 
 
@@ -611,6 +630,25 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         state = (state_dir / f"search_state_{options.order}-{db.repair}{tag}_{budget.target}.pt"
                  if state_dir is not None else None)
         result = evolve(space, fitness, seeds, options, state)
+    result.times_s = {"database": t_db, "search": result.times_s["search"]}
+    result.forwards = fitness.forwards
+    result.kl_top_k, result.repair = top_k, db.repair
+    del fitness  # its dense log-probabilities
+    if options.cut_ridge == "cv":
+        alternatives = {}
+        if options.cv_seed and shape is not Shape.UNIFORM and result.seeds:
+            name = min(result.seeds, key=lambda k: (result.seeds[k], k))
+            if seeds.get(name) is not None and seeds[name] != result.levels:
+                alternatives[name] = seeds[name]
+        db, result.ridge_cv = cross_validate_ridge(model, db, batches, result.levels, options, reduce_sum, top_k,
+                                                   alternatives)
+        result.times_s["ridge_cv"] = result.ridge_cv.get("seconds", 0.0)
+        chosen = result.ridge_cv.get("plan", "search")
+        if chosen != "search":
+            result.levels, result.kl = alternatives[chosen], result.seeds[chosen]
+    else:
+        result.ridge_cv = {"chosen_by": "fixed", "ridge": db.ridge}
+    if shape is not Shape.UNIFORM:
         removed = finish(space, result.levels, db, align)
         if shape is Shape.SERVED:
             attn = result.levels["attn"]
@@ -620,15 +658,6 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                 "candidates": cands, "chosen_by": "search_kl",
                 "chosen": {"groups_kept": kept[0] if kept else 0,
                            "attention_removed_layers": [i for i, a in enumerate(attn) if a >= n_g]}}}
-    result.times_s = {"database": t_db, "search": result.times_s["search"]}
-    result.forwards = fitness.forwards
-    result.kl_top_k, result.repair = top_k, db.repair
-    del fitness  # its dense log-probabilities
-    if options.cut_ridge == "cv":
-        db, result.ridge_cv = cross_validate_ridge(model, db, batches, result.levels, options, reduce_sum, top_k)
-        result.times_s["ridge_cv"] = result.ridge_cv.get("seconds", 0.0)
-    else:
-        result.ridge_cv = {"chosen_by": "fixed", "ridge": db.ridge}
     return removed, result, db, extra
 
 
