@@ -198,6 +198,11 @@ def test_bad_options_are_refused():
         SearchOptions(cv_ridges=[-1])
     with pytest.raises(ValueError, match="cv_sequences=0"):
         SearchOptions(cv_sequences=0)
+    for name in ("cv_seed", "seed_calibrated"):  # a string such as "no" would otherwise read as true
+        with pytest.raises(ValueError, match=f"{name}='no' is not allowed: true or false"):
+            SearchOptions(**{name: "no"})
+    with pytest.raises(ValueError, match="allocation_args.cv_seed='no' is not allowed"):
+        PruneSettings(allocation_args={"cv_seed": "no"})
 
 
 def test_cut_ridge_cv_picks_the_ridge_of_least_kl_on_held_out_sequences():

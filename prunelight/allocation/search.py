@@ -134,6 +134,9 @@ class SearchOptions:
                              for r in ridges):
             raise ValueError(f"prune.allocation_args.cv_ridges={list(ridges)} is not allowed: a non-empty list of "
                              "finite numbers >= 0")
+        for name in ("seed_calibrated", "cv_seed"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"prune.allocation_args.{name}={getattr(self, name)!r} is not allowed: true or false")
         for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
