@@ -15,11 +15,9 @@ allowed.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from prunelight.allocation import Allocation, Budget, Shape, allocation_of, check_shape, precheck
@@ -29,6 +27,7 @@ from prunelight.checks import check_deepspeed_criterion, check_facts, check_teac
 from prunelight.plan import PrunePlan
 from prunelight.saved import SavedScores, read_saved_inputs
 from prunelight.settings import PruneSettings
+from prunelight.zero3 import meta_model
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
         check_teacher_config(run.distillation, config, run.teacher_config)
     check_widths(settings, config)
     saved_plan, saved_scores = read_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
-    twin = model if model is not None else shape_twin_of(config)
+    twin = model if model is not None else meta_model(config)
     if run is not None and run.deepspeed:
         check_deepspeed_criterion(settings, twin)
     budget = None
@@ -101,9 +100,3 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
     return RunPlan(settings, shape, row, budget, run, saved_plan, saved_scores)
 
 
-def shape_twin_of(config) -> nn.Module:
-    """A weightless (meta-device) model of `config`: true shapes and parameter counts, nothing loaded."""
-    from transformers import AutoModelForCausalLM  # transformers' model registry is slow to import
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))

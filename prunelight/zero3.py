@@ -32,6 +32,36 @@ def hf_zero3_loading(trainer):
     return HfDeepSpeedConfig(trainer.strategy.config)
 
 
+@contextlib.contextmanager
+def hf_zero3_paused() -> Iterator[None]:
+    """Hide the run's `HfDeepSpeedConfig` from transformers for the duration (nothing to hide: a no-op).
+
+    While it is alive, transformers builds every model under `deepspeed.zero.Init` and re-initializes its weights
+    from gathered partitions; a meta-device skeleton then fails ("Cannot copy out of meta tensor", seen on an H200
+    under ZeRO-3). Skeletons hold no weights, so they need neither.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    held = ref() if ref is not None else None
+    if held is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(held)
+
+
+def meta_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """A weightless (meta-device) transformers model of `config`: true shapes and parameter counts, nothing loaded."""
+    from transformers import AutoModelForCausalLM  # transformers' model registry is slow to import
+
+    with hf_zero3_paused(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), **({"dtype": dtype} if dtype else {}))
+
+
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a parameter that ZeRO-3 has partitioned across ranks."""
     return hasattr(param, "ds_id")
@@ -121,17 +151,13 @@ def gathered_pruned_copy(model: nn.Module, plan: PrunePlan, keep: bool = True) -
     Used under DeepSpeed, where the engine's own modules must not be reshaped: rank 0 (`keep=True`)
     receives the copy, the other ranks only take part in the gathers and get None.
     """
-    from transformers import AutoModelForCausalLM
-
     from prunelight.surgery import apply_plan
 
     base = unwrap(model)
     state = gathered_state_dict(base, to_cpu=True, keep=keep)
     if not keep:
         return None
-    config = copy.deepcopy(base.config)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
+    skeleton = meta_model(base.config, base.dtype)
     skeleton.load_state_dict(state, strict=False, assign=True)
     if getattr(base.config, "tie_word_embeddings", False):
         skeleton.tie_weights()
@@ -148,11 +174,8 @@ def shape_twin(model: nn.Module) -> nn.Module:
 
     Under ZeRO-3 the engine's parameters are empty placeholders, so allocation counts on this twin.
     """
-    from transformers import AutoModelForCausalLM
-
     base = unwrap(model)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=base.dtype)
+    return meta_model(base.config, base.dtype)
 
 
 def gathered_merged_copy(model: nn.Module, lora=None, keep: bool = True) -> nn.Module | None:
@@ -162,16 +185,13 @@ def gathered_merged_copy(model: nn.Module, lora=None, keep: bool = True) -> nn.M
     `lora` is the `LoRASettings` the model was wrapped with (None: no adapters). Only rank 0
     (`keep=True`) receives the copy; the other ranks take part in the gathers and get None.
     """
-    from transformers import AutoModelForCausalLM
-
     from prunelight.recovery import add_lora, merge_lora
 
     base = unwrap(model)
     state = gathered_state_dict(base, to_cpu=True, keep=keep)
     if not keep:
         return None
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=base.dtype)
+    skeleton = meta_model(base.config, base.dtype)
     plain = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
     skeleton.load_state_dict(plain, strict=False, assign=True)
     if getattr(base.config, "tie_word_embeddings", False):

@@ -10,7 +10,8 @@
 # data/corpus/brown.txt). PLAN_JSON: a plan.json of the default cut (else the run cuts with configs/smollm2.yaml's
 # defaults: the search, minutes more). Time bounds, from the environment: DS_SECONDS (150), PHASES_DEADLINE
 # (seconds after which gpu_phases skips what is left, 240), KD_STEPS (1000; about 0.32 s each on an H100),
-# KD_MAX_TIME (Lightning's max_time, 00:00:06:00). Run from the repository root; prunelight need not be installed.
+# KD_MAX_TIME (Lightning's max_time, 00:00:06:00); CHECKS, the checks to run (default "deepspeed phases kd", the
+# three above). Run from the repository root; prunelight need not be installed.
 set -o pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [SHARED_DIR [PLAN_JSON]]}
 shared=${2:-}
@@ -22,17 +23,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 $py -m pip show torch transformers peft lightning deepspeed 2>/dev/null | grep -E "^(Name|Version)" | paste - - \
   | tee "$out/versions.txt"
 
+checks=" ${CHECKS:-deepspeed phases kd} "
+for c in $checks; do
+  case " deepspeed phases kd " in *" $c "*) ;; *) echo "CHECKS: '$c' is not a check (deepspeed, phases, kd)"; exit 2;; esac
+done
+
+if [[ $checks == *" deepspeed "* ]]; then
 t0=$(date +%s)
 timeout "${DS_SECONDS:-150}" $py -m pytest -q -p no:cacheprovider tests/test_deepspeed.py -k fit_on_gpu \
   > "$out/deepspeed.log" 2>&1
 echo "deepspeed: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/deepspeed.log")"
+fi
 
+if [[ $checks == *" phases "* ]]; then
 t0=$(date +%s)
 $py scripts/gpu_phases.py --out "$out/gpu_phases_8b" --deadline "${PHASES_DEADLINE:-240}" > "$out/phases.log" 2>&1
 echo "phases: rc $? in $(( $(date +%s) - t0 )) s"
 cat "$out/gpu_phases_8b.md" 2>/dev/null
+fi
 
-[ -n "$shared" ] || exit 0
+[[ -n $shared && $checks == *" kd "* ]] || exit 0
 gguf=$(ls "$shared"/models/smollm2-135m-instruct-gguf/*.gguf | head -1)
 t0=$(date +%s)
 $py -m prunelight fit --config configs/smollm2.yaml --data.seq_len=256 --model.pretrained="$(dirname "$gguf")" \

@@ -15,6 +15,11 @@ meaningless, memory and time are real. Phases, each timed (device synchronised) 
   speed    `measure_speed` (prefill of --prompt-len tokens, then --new-tokens decode steps with the KV cache) of the
            dense model and of cuts at --speed-ratios (from the same taylor scores, no repair: the shapes are what
            matters), with align_channels 1 and --align, at each --batch-sizes; `torch.compile` too with --compile
+           (--compile-mode regional: each decoder layer compiled on its own, PyTorch's regional compilation, so
+           the layers share one compiled graph and a cold compile takes seconds; whole: the model as one graph)
+
+--speed-only skips the taylor_element scoring, the repaired cut, the export and LoRA; --models limits the speed
+phase to the models named as in the table ("dense", "20% align 128", ...).
 
 Phases past --deadline seconds are skipped and said so; a phase that fails is recorded with its error and the next
 one runs. Results: <out>.json and <out>.md, written after every phase.
@@ -178,20 +183,47 @@ def lora_steps(model, args: argparse.Namespace, device: torch.device) -> dict:
                        "step_seconds_median": step, "tokens_per_s": args.seq_len / step}}
 
 
-def speed_rows(name: str, model, args: argparse.Namespace, compiled: bool) -> list[dict]:
-    """measure_speed at every batch size (`torch.compile(model)` when `compiled`)."""
+def compile_model(model, mode: str):
+    """`model` under torch.compile: each decoder layer in place (`regional`) or the whole model (`whole`)."""
+    if mode == "whole":
+        return torch.compile(model)
+    # one graph for every layer: the layer index (static by default) and the KV cache length become symbolic, and
+    # the few variants left (prefill / decode, batch size) fit under the recompile limit
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for layer in model.model.layers:
+        layer.compile()
+    return model
+
+
+def uncompile(model) -> None:
+    """Undo `compile_model(model, "regional")`: the layers run eagerly again, and copies of the model stay plain."""
+    for layer in model.model.layers:
+        layer._compiled_call_impl = None
+
+
+def speed_rows(name: str, model, args: argparse.Namespace, compile_now: bool) -> list[dict]:
+    """measure_speed at every batch size (under torch.compile when `compile_now`)."""
+    run = compile_model(model, args.compile_mode) if compile_now else model
+    try:
+        return _speed_at_batch_sizes(name, run, sum(p.numel() for p in model.parameters()), args, compile_now)
+    finally:
+        if compile_now and args.compile_mode == "regional":
+            uncompile(model)
+
+
+def _speed_at_batch_sizes(name: str, run, params: int, args: argparse.Namespace, compile_now: bool) -> list[dict]:
+    """The rows of `speed_rows`, one per batch size."""
     from prunelight.evaluation.efficiency import measure_speed
 
-    run = torch.compile(model) if compiled else model
-    params = sum(p.numel() for p in model.parameters())
     rows = []
     for bs in args.batch_sizes:
         s = measure_speed(run, batch_size=bs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, warmup=args.warmup)
-        rows.append({"model": name, "params": params, "compile": compiled,
+        rows.append({"model": name, "params": params, "compile": args.compile_mode if compile_now else False,
                      **{k: s[k] for k in ("batch_size", "prefill_tokens_per_s", "decode_tokens_per_s",
                                           "decode_latency_ms_per_token", "prefill_latency_ms", "peak_memory_bytes")}})
-        print(f"[speed] {name} bs={bs} compile={compiled}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
+        print(f"[speed] {name} bs={bs} compile={compile_now}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
               f"decode {s['decode_tokens_per_s']:,.1f} tok/s", flush=True)
     return rows
 
@@ -216,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", default=None, help="models also timed under torch.compile (comma-separated names; "
                    "empty: none; default: dense and the first ratio with --align, none with --tiny)")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds after which remaining phases are skipped")
+    p.add_argument("--compile-mode", default="regional", choices=["regional", "whole"],
+                   help="regional: each decoder layer compiled (seconds); whole: one graph of the model (minutes on 8B)")
+    p.add_argument("--speed-only", action="store_true", help="only the build, the taylor scoring and the speed phase")
+    p.add_argument("--models", default=None, help="the speed phase's models (comma-separated names; default: all)")
     p.add_argument("--compile-seconds", type=float, default=150, help="time a compiled model's phase is given")
     p.add_argument("--work", default="/tmp/prunelight-gpu-phases", help="scratch folder for the export")
     p.add_argument("--out", default="results/benchmarks/gpu_phases_8b")
@@ -251,11 +287,16 @@ def main(argv: list[str] | None = None) -> None:
                                                                  allocation="global"), calibration)
         finally:
             dense.gradient_checkpointing_disable()
+            if hasattr(dense, "_require_grads_hook"):
+                # transformers' checkpointing left its embedding hook (outputs require grad): under torch.compile
+                # every layer would then be compiled twice, for an input that requires grad and one that does not
+                dense.disable_input_require_grads()
             for q in dense.parameters():
                 q.grad = None
 
     taylor = ph.run("score taylor", lambda: score("taylor"), criterion="taylor")
-    ph.run("score taylor_element", lambda: score("taylor_element"), criterion="taylor_element")
+    if not args.speed_only:
+        ph.run("score taylor_element", lambda: score("taylor_element"), criterion="taylor_element")
     if taylor is None:
         ph.write()
         return
@@ -268,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         kept = sum(q.numel() for q in pruned.parameters())
         return {"model": pruned, "record": {"params_after": kept, "removed": 1 - kept / ph.meta["params"]}}
 
-    out = ph.run("cut (copy + least-squares repair)", cut, ratio=args.ratio)
+    out = None if args.speed_only else ph.run("cut (copy + least-squares repair)", cut, ratio=args.ratio)
     pruned = out["model"] if out else None
     if pruned is not None:
         def export():
@@ -297,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
     for k, ratio in enumerate(ratios):
         for align in ([1, args.align] if k == 0 else [args.align]):
             cuts[f"{ratio:.0%} align {align}"] = (ratio, align)
+    if args.models is not None:
+        wanted = {m.strip() for m in args.models.split(",") if m.strip()}
+        if unknown := wanted - set(cuts):
+            p.error(f"--models {sorted(unknown)}: not among this run's models {sorted(cuts)}")
+        cuts = {name: c for name, c in cuts.items() if name in wanted}
     # eager first, every model; torch.compile (minutes per model on 8B) last, and only with time left for it
     for compile_now in (False, True):
         for name, cut_args in cuts.items():

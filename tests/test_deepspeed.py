@@ -78,6 +78,36 @@ def test_zero3_tells_transformers_to_load_partitioned():
     assert not is_deepspeed_zero3_enabled()
 
 
+def test_skeletons_are_built_while_transformers_sees_zero3():
+    """Under ZeRO-3 the run keeps an `HfDeepSpeedConfig` alive; the meta-device skeletons (the shape twin, the
+    gathered cut and merged copies) must still build. On an H200 they failed inside transformers' zero.Init
+    ("Cannot copy out of meta tensor"); on CPU the same path stops inside `deepspeed.zero.Init`."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from prunelight.recovery import LoRASettings, add_lora
+
+    model = tiny_model("llama")
+    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
+    ref = copy.deepcopy(model)
+    apply_plan(ref, plan)
+    handle = HfDeepSpeedConfig(deepspeed_config(stage=3))
+    assert is_deepspeed_zero3_enabled()
+    twin = zero3.shape_twin(model)
+    assert all(p.is_meta for p in twin.parameters())
+    assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in model.parameters())
+    assert is_deepspeed_zero3_enabled()  # the pause ends with the skeleton
+    cut = gathered_pruned_copy(model, plan)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(cut(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    lora = LoRASettings(r=4, dropout=0.0)
+    merged = gathered_merged_copy(add_lora(copy.deepcopy(model), lora), lora)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, model(ids).logits)
+    assert is_deepspeed_zero3_enabled()
+    del handle
+
+
 @pytest.mark.parametrize("config", ["llama3-70b-zero3.yaml", "llama3-8b-ddp.yaml"])
 def test_scaling_configs_parse(config, monkeypatch, tmp_path):
     """The shipped YAMLs build their Trainer and strategy (on CPU here: accelerator/devices overridden)."""
