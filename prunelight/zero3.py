@@ -42,7 +42,7 @@ def hf_zero3_paused() -> Iterator[None]:
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)  # transformers' own global, weakly held
     held = ref() if ref is not None else None
     if held is None:
         yield

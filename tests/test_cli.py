@@ -197,20 +197,50 @@ BAD_NAMES = [  # the keys of _bad_inputs, listed here for test ids
 ]
 
 
-@pytest.mark.parametrize("name", BAD_NAMES)
-def test_bad_input_exits_with_one_line(tiny_job, tmp_path, name):
-    """Each refused input: non-zero exit within seconds, one `prunelight: error:` line naming option and value."""
+def _check_refusal(name: str, status: int, stderr: str, out_dir: Path, tmp, ckpt, files) -> None:
+    """The refusal of bad input `name`: status 2, one `prunelight: error:` line naming it, nothing written."""
+    expected = _bad_inputs(tmp, ckpt, files)[name][1]
+    errors = [line for line in stderr.splitlines() if line.startswith("prunelight: error:")]
+    assert status == 2, stderr[-3000:]
+    assert len(errors) == 1 and expected in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr and "Does not validate against any of the Union" not in stderr
+    assert not (out_dir / "runs" / "reference" / "model").exists(), "nothing may be written on bad input"
+
+
+# The console script is `prunelight.cli:main`; each case runs it in this process (a subprocess costs ~8 s of imports
+# per case). The cases that set environment variables read at import time, and one plain case, run the real console
+# script in a fresh process, so its exit status is checked too.
+IN_A_SUBPROCESS = {"unreachable hub", "ratio above 1"}
+
+
+def test_bad_inputs_are_all_listed(tiny_job):
+    tmp, ckpt, files, _ = tiny_job
+    assert set(_bad_inputs(tmp, ckpt, files)) == set(BAD_NAMES)
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_NAMES if n not in IN_A_SUBPROCESS])
+def test_bad_input_exits_with_one_line(tiny_job, tmp_path, monkeypatch, capsys, name):
+    """Each refused input: status 2 and one `prunelight: error:` line naming option and value."""
+    from prunelight.cli import main
+
     tmp, ckpt, files, args = tiny_job
-    extra, expected, env = _bad_inputs(tmp, ckpt, files)[name]
+    extra, _, env = _bad_inputs(tmp, ckpt, files)[name]
+    assert not env, "a case with its own environment runs in a subprocess (IN_A_SUBPROCESS)"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PRUNELIGHT_DEBUG", raising=False)
+    status = main(args + extra)
+    _check_refusal(name, status, capsys.readouterr().err, tmp_path, tmp, ckpt, files)
+
+
+@pytest.mark.parametrize("name", sorted(IN_A_SUBPROCESS))
+def test_bad_input_exits_the_console_script_with_one_line(tiny_job, tmp_path, name):
+    """The installed `prunelight` command: non-zero exit within seconds, the same one line."""
+    tmp, ckpt, files, args = tiny_job
+    extra, _, env = _bad_inputs(tmp, ckpt, files)[name]
     t0 = time.perf_counter()
     proc = _run(args + extra, tmp_path, **env)
     elapsed = time.perf_counter() - t0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("prunelight: error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert set(_bad_inputs(tmp, ckpt, files)) == set(BAD_NAMES)
-    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Does not validate against any of the Union" not in proc.stderr
-    assert not (tmp_path / "runs" / "reference" / "model").exists(), "nothing may be written on bad input"
+    _check_refusal(name, proc.returncode, proc.stderr, tmp_path, tmp, ckpt, files)
     assert elapsed < 120, f"took {elapsed:.0f} s to refuse"
 
 
