@@ -16,17 +16,17 @@ set -o pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [SHARED_DIR [PLAN_JSON]]}
 shared=${2:-}
 plan=${3:-}
+checks=" ${CHECKS:-deepspeed phases kd} "
+for c in $checks; do
+  case " deepspeed phases kd " in *" $c "*) ;; *) echo "CHECKS: '$c' is not a check (deepspeed, phases, kd)"; exit 2;; esac
+done
+
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 $py -m pip show torch transformers peft lightning deepspeed 2>/dev/null | grep -E "^(Name|Version)" | paste - - \
   | tee "$out/versions.txt"
-
-checks=" ${CHECKS:-deepspeed phases kd} "
-for c in $checks; do
-  case " deepspeed phases kd " in *" $c "*) ;; *) echo "CHECKS: '$c' is not a check (deepspeed, phases, kd)"; exit 2;; esac
-done
 
 if [[ $checks == *" deepspeed "* ]]; then
 t0=$(date +%s)

@@ -262,9 +262,21 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats, args.warmup = "1,2", 16, 4, 1, 0
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     ratios = [float(r) for r in args.speed_ratios.split(",") if r]
-    if args.compile is None:
-        args.compile = "" if args.tiny else f"dense,{ratios[0]:.0%} align {args.align}"
+    cuts = {"dense": None}
+    for k, ratio in enumerate(ratios):
+        for align in ([1, args.align] if k == 0 else [args.align]):
+            cuts[f"{ratio:.0%} align {align}"] = (ratio, align)
+    if args.models is not None:
+        wanted = {m.strip() for m in args.models.split(",") if m.strip()}
+        if unknown := wanted - set(cuts):
+            p.error(f"--models {sorted(unknown)}: not among this run's models {sorted(cuts)}")
+        cuts = {name: c for name, c in cuts.items() if name in wanted}
+    if args.compile is None:  # dense and the first ratio aligned, among the models timed
+        default = [] if args.tiny else ["dense", f"{ratios[0]:.0%} align {args.align}"]
+        args.compile = ",".join(name for name in default if name in cuts)
     compiled = {c.strip() for c in args.compile.split(",") if c.strip()}
+    if unknown := compiled - set(cuts):
+        p.error(f"--compile {sorted(unknown)}: not among this run's models {sorted(cuts)}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here (--tiny --device cpu --dtype float32 checks the code path)")
@@ -334,15 +346,6 @@ def main(argv: list[str] | None = None) -> None:
         prunelight.prune(model, settings, calibration, scores=taylor)
         return model
 
-    cuts = {"dense": None}
-    for k, ratio in enumerate(ratios):
-        for align in ([1, args.align] if k == 0 else [args.align]):
-            cuts[f"{ratio:.0%} align {align}"] = (ratio, align)
-    if args.models is not None:
-        wanted = {m.strip() for m in args.models.split(",") if m.strip()}
-        if unknown := wanted - set(cuts):
-            p.error(f"--models {sorted(unknown)}: not among this run's models {sorted(cuts)}")
-        cuts = {name: c for name, c in cuts.items() if name in wanted}
     # eager first, every model; torch.compile (minutes per model on 8B) last, and only with time left for it
     for compile_now in (False, True):
         for name, cut_args in cuts.items():

@@ -216,6 +216,46 @@ def test_gpu_phases_tiny_runs_every_phase_on_cpu(tmp_path):
     assert "| lora recovery | ok |" in (tmp_path / "p.md").read_text()
 
 
+@pytest.mark.parametrize("option, names", [("--models", "dense,20% align 7"), ("--compile", "dens")])
+def test_gpu_phases_refuses_an_unknown_model_name_before_any_work(tmp_path, capsys, option, names):
+    phases = _script("gpu_phases")
+    with pytest.raises(SystemExit):
+        phases.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--speed-ratios", "0.3", option, names,
+                     "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert f"{option} [" in err and "not among this run's models" in err and "'30% align 32'" in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_gpu_phases_regional_compile_keeps_the_logits_and_can_be_undone(monkeypatch):
+    """Each decoder layer compiled in place gives the eager model's logits; `uncompile` makes the layers eager
+    again (so copies made for the next cut stay plain)."""
+    from prunelight.testing import tiny_model
+
+    phases = _script("gpu_phases")
+    for name in ("allow_unspec_int_on_nn_module", "recompile_limit"):  # compile_model sets them; restored after
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+    model = tiny_model("llama").eval()
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        run = phases.compile_model(model, "regional")
+        assert run is model and all(layer._compiled_call_impl is not None for layer in model.model.layers)
+        torch.testing.assert_close(run(input_ids=ids).logits, eager, rtol=1e-4, atol=1e-4)
+    phases.uncompile(model)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    torch._dynamo.reset()
+
+
+def test_gpu_check_refuses_an_unknown_check(tmp_path):
+    import subprocess
+
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "CHECKS": "deepspeed kd2"}, timeout=60)
+    assert proc.returncode == 2 and "CHECKS: 'kd2' is not a check (deepspeed, phases, kd)" in proc.stdout
+    assert not (tmp_path / "out" / "deepspeed.log").exists()
+
+
 def test_speed_tiny_times_dense_and_pruned_models(tmp_path):
     bench = _script("benchmark_speed")
     bench.main(["--tiny", "--ratios", "0.3", "--out-dir", str(tmp_path)])
