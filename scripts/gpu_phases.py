@@ -15,8 +15,9 @@ meaningless, memory and time are real. Phases, each timed (device synchronised) 
   speed    `measure_speed` (prefill of --prompt-len tokens, then --new-tokens decode steps with the KV cache) of the
            dense model and of cuts at --speed-ratios (from the same taylor scores, no repair: the shapes are what
            matters), with align_channels 1 and --align, at each --batch-sizes; `torch.compile` too with --compile
-           (--compile-mode regional: each decoder layer compiled on its own, PyTorch's regional compilation, so
-           the layers share one compiled graph and a cold compile takes seconds; whole: the model as one graph)
+           (--compile-mode regional: each decoder layer compiled on its own, PyTorch's regional compilation: the
+           layers share their code, so Inductor's cache serves all but the first; whole: the model as one graph,
+           minutes per shape on 8B)
 
 --speed-only skips the taylor_element scoring, the repaired cut, the export and LoRA; --models limits the speed
 phase to the models named as in the table ("dense", "20% align 128", ...).
@@ -187,8 +188,9 @@ def compile_model(model, mode: str):
     """`model` under torch.compile: each decoder layer in place (`regional`) or the whole model (`whole`)."""
     if mode == "whole":
         return torch.compile(model)
-    # one graph for every layer: the layer index (static by default) and the KV cache length become symbolic, and
-    # the few variants left (prefill / decode, batch size) fit under the recompile limit
+    # the layer index (static by default) and the KV cache length become symbolic, and the limit is raised: each
+    # layer still gets its own few graphs (prefill / decode, batch size; guards on its cache entry), which the
+    # default limit of 8 would otherwise send back to eager after the first layers
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in model.model.layers:
@@ -204,27 +206,24 @@ def uncompile(model) -> None:
 
 def speed_rows(name: str, model, args: argparse.Namespace, compile_now: bool) -> list[dict]:
     """measure_speed at every batch size (under torch.compile when `compile_now`)."""
+    from prunelight.evaluation.efficiency import measure_speed
+
+    params = sum(p.numel() for p in model.parameters())
     run = compile_model(model, args.compile_mode) if compile_now else model
+    rows = []
     try:
-        return _speed_at_batch_sizes(name, run, sum(p.numel() for p in model.parameters()), args, compile_now)
+        for bs in args.batch_sizes:
+            s = measure_speed(run, batch_size=bs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                              repeats=args.repeats, warmup=args.warmup)
+            rows.append({"model": name, "params": params, "compile": args.compile_mode if compile_now else False,
+                         **{k: s[k] for k in ("batch_size", "prefill_tokens_per_s", "decode_tokens_per_s",
+                                              "decode_latency_ms_per_token", "prefill_latency_ms",
+                                              "peak_memory_bytes")}})
+            print(f"[speed] {name} bs={bs} compile={compile_now}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
+                  f"decode {s['decode_tokens_per_s']:,.1f} tok/s", flush=True)
     finally:
         if compile_now and args.compile_mode == "regional":
             uncompile(model)
-
-
-def _speed_at_batch_sizes(name: str, run, params: int, args: argparse.Namespace, compile_now: bool) -> list[dict]:
-    """The rows of `speed_rows`, one per batch size."""
-    from prunelight.evaluation.efficiency import measure_speed
-
-    rows = []
-    for bs in args.batch_sizes:
-        s = measure_speed(run, batch_size=bs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                          repeats=args.repeats, warmup=args.warmup)
-        rows.append({"model": name, "params": params, "compile": args.compile_mode if compile_now else False,
-                     **{k: s[k] for k in ("batch_size", "prefill_tokens_per_s", "decode_tokens_per_s",
-                                          "decode_latency_ms_per_token", "prefill_latency_ms", "peak_memory_bytes")}})
-        print(f"[speed] {name} bs={bs} compile={compile_now}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
-              f"decode {s['decode_tokens_per_s']:,.1f} tok/s", flush=True)
     return rows
 
 
