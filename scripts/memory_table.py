@@ -84,19 +84,18 @@ class Arch:
 
 def arch(name: str, ratio: float) -> Arch:
     """The Arch of a built-in model or of a transformers config (local folder or hub id); no weights are loaded."""
-    import torch
     from torch import nn
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from prunelight.families import get_family
+    from prunelight.zero3 import meta_model
 
     if name in BUILTIN:
         spec = dict(BUILTIN[name])
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     else:
         config = AutoConfig.from_pretrained(name)
-    with torch.device("meta"):  # shapes only: an 70B model costs nothing here
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)  # shapes only: a 70B model costs nothing here
     budget = make_budget(model, PruneSettings(ratio=ratio))
     family = get_family(model)
     first = family.layer_shapes(model)[0]
