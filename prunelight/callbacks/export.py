@@ -50,6 +50,8 @@ class ExportCallback(L.Callback):
             self.evaluator.setup(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        if pl_module.cut_state.handoff is not None:
+            return  # the cut model was written for a fresh engine: that run recovers, measures and exports it
         sharded = zero_stage(trainer.strategy) == 3
         final = self._merge(trainer, pl_module, sharded)  # the model to export (None on ranks > 0 under ZeRO-3)
         record = pl_module.record
