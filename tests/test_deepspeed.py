@@ -252,10 +252,8 @@ def test_reconstruction_is_refused_under_the_fresh_engine_handoff(tmp_path, monk
 @pytest.mark.parametrize("recovery", ["lora", "none"])
 def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch, recovery):
     """Score -> plan -> gather+cut -> write from rank 0 -> stop -> recover in a new Trainer, one command."""
-    from prunelight.callbacks import pruning
+    from prunelight.callbacks import export, pruning
     from prunelight.cli import cli_main
-
-    from prunelight.callbacks import export
 
     monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)
     exported_shapes = []  # the first engine (uncut, stopped after writing the cut) exports nothing
