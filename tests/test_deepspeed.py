@@ -258,8 +258,12 @@ def test_fresh_engine_handoff_end_to_end(tmp_path, monkeypatch, recovery):
     monkeypatch.setattr(pruning, "needs_fresh_engine", lambda strategy: True)
     exported_shapes = []  # the first engine (uncut, stopped after writing the cut) exports nothing
     real_export = export.export_pretrained
-    monkeypatch.setattr(export, "export_pretrained", lambda model, *a, **k: (
-        exported_shapes.append(count_params(model)), real_export(model, *a, **k))[1])
+
+    def counting_export(model, *args, **kwargs):
+        exported_shapes.append(count_params(model))
+        return real_export(model, *args, **kwargs)
+
+    monkeypatch.setattr(export, "export_pretrained", counting_export)
     monkeypatch.chdir(tmp_path)
     cli = cli_main(["fit", "--config", str(_job(tmp_path, max_steps=2)), "--model.recovery", recovery])
     pruned_dir = tmp_path / "out" / "pruned"
