@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Literal
 
@@ -19,7 +20,8 @@ from prunelight.metrics import TokenPerplexity
 from prunelight.plan import PrunePlan
 from prunelight.record import RunRecord
 from prunelight import rng_state, sources
-from prunelight.recovery import RECOVERY_MODES, LoRASettings, add_lora, check_mode, merge_lora
+from prunelight.recovery import (LR_SCHEDULES, RECOVERY_MODES, LoRASettings, add_lora, check_mode, check_schedule,
+                                 lr_factor, merge_lora)
 from prunelight.surgery import apply_plan
 from prunelight.teacher import Teacher
 from prunelight.zero3 import hf_zero3_loading
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 RecoveryMode = Literal[RECOVERY_MODES]  # type: ignore[valid-type]
+LRSchedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 
 
 class PruneLM(L.LightningModule):
@@ -48,12 +51,14 @@ class PruneLM(L.LightningModule):
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        lr_schedule: LRSchedule = "constant",
         distillation: DistillationSettings | None = None,
     ) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         check_mode(recovery)
+        check_schedule(lr_schedule)
         if isinstance(distillation, dict):  # load_from_checkpoint passes the stored hyper-parameters back
             distillation = DistillationSettings(**distillation)
         # Plain types only: Lightning restores checkpoints with torch.load(weights_only=True).
@@ -69,6 +74,7 @@ class PruneLM(L.LightningModule):
         self.recovery = recovery
         self.lora = lora or LoRASettings()
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
+        self.lr_schedule = lr_schedule
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.cut_state = CutState()  # whether the model is cut: the one owner of that fact
@@ -213,6 +219,8 @@ class PruneLM(L.LightningModule):
                 f"({self.learning_rate}) or use bf16/fp32 instead of fp16"
             )
         self.log("train_loss", loss, prog_bar=True)
+        if self._trainer is not None and self.trainer.optimizers:  # the schedule, in the logger
+            self.log("lr", float(self.trainer.optimizers[0].param_groups[0]["lr"]))
         return loss
 
     def _distillation_loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -291,8 +299,17 @@ class PruneLM(L.LightningModule):
         if not params:  # "none" recovery: a no-op optimizer keeps the loop valid
             params = [nn.Parameter(torch.zeros(1, device=self.device))]
         opt = torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)
-        warmup = max(self.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        trainer, total = self._trainer, None
+        if trainer is not None and math.isfinite(trainer.estimated_stepping_batches):
+            total = int(trainer.estimated_stepping_batches)
+
+        def factor(step: int) -> float:
+            # The schedule runs from where it was built (the cut rebuilds the optimizer; a resumed run restores
+            # `step`) to the end of the fit, so its length is read from the trainer's step, not fixed here.
+            steps = None if total is None else max(total - (trainer.global_step - step), 1)
+            return lr_factor(self.lr_schedule, self.warmup_steps, step, steps)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def adopt_pruned(self, plan: PrunePlan | dict, record: RunRecord, dense: str | None = None) -> None:

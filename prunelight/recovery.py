@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from torch import nn
@@ -9,6 +10,25 @@ from torch import nn
 from prunelight.families import get_family
 
 RECOVERY_MODES = ("lora", "full", "none")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def check_schedule(schedule: str) -> None:
+    """Refuse unknown learning-rate schedules early."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr_schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
+
+
+def lr_factor(schedule: str, warmup: int, step: int, steps: int | None) -> float:
+    """The learning-rate multiplier at `step` of a schedule `steps` long: linear warmup over `warmup` steps, then
+    `schedule` (cosine or linear to zero, or constant; constant also when `steps` is unknown)."""
+    warmup = max(int(warmup), 0)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant" or steps is None or steps <= warmup:
+        return 1.0
+    done = min((step - warmup) / (steps - warmup), 1.0)  # 0 at the end of warmup, 1 after the last step
+    return 0.5 * (1.0 + math.cos(math.pi * done)) if schedule == "cosine" else 1.0 - done
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import lightning as L
@@ -12,17 +13,17 @@ import torch
 from prunelight.callbacks import PruningCallback, job_callbacks
 from prunelight.data import PruneDataModule, TextSource
 from prunelight.module import PruneLM
-from prunelight.recovery import LoRASettings, add_lora, merge_lora
+from prunelight.recovery import LoRASettings, add_lora, lr_factor, merge_lora
 from prunelight.settings import ExportSettings, PruneSettings
 from prunelight.testing import tiny_config, tiny_model, tiny_tokenizer, write_tiny_corpus
 
 
-def _module(recovery="lora"):
+def _module(recovery="lora", **kw):
     cfg = tiny_config("llama").to_dict()
     cfg = {k: cfg[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")}
     return PruneLM(config=cfg, recovery=recovery, attn_implementation="eager", lora=LoRASettings(r=4, alpha=8, dropout=0.0),
-                   learning_rate=1e-2)
+                   learning_rate=1e-2, **kw)
 
 
 def _dm(tmp_path):
@@ -84,6 +85,45 @@ def test_fit_prunes_recovers_exports_and_resumes(tmp_path):
     assert resumed.cut_state.done and resumed.record.calibration is not None
     shapes = [layer.mlp.down_proj.in_features for layer in resumed.base_model.model.layers]
     assert shapes == [len(lp.keep_channels) for lp in module.plan.layers]
+
+
+@pytest.mark.parametrize("schedule, warmup, steps, expected", [
+    ("constant", 2, 10, [1 / 3, 2 / 3, 1.0, 1.0, 1.0]),
+    ("cosine", 0, 4, [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 - 0.5 * math.cos(math.pi / 4), 0.0]),
+    ("linear", 1, 5, [0.5, 1.0, 0.75, 0.5, 0.25]),
+    ("cosine", 1, None, [0.5, 1.0, 1.0, 1.0, 1.0]),  # an unbounded run keeps the peak after warmup
+])
+def test_lr_factor_shapes(schedule, warmup, steps, expected):
+    got = [lr_factor(schedule, warmup, s, steps) for s in range(5)]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+class _LRs(L.Callback):
+    """Records the learning rate each optimizer step runs with, by global step."""
+
+    def __init__(self):
+        self.lrs = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_cosine_schedule_runs_from_the_cut_to_the_end_and_resumes(tmp_path):
+    # Cut at step 2 of 6: the rebuilt schedule is 4 steps long; a run resumed at step 4 continues the same curve.
+    lrs, ckpt_cb = _LRs(), L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4,
+                                                              save_top_k=-1)
+    module = _module(lr_schedule="cosine")
+    prune = PruneSettings(ratio=0.25, criterion="taylor", prune_step=2)
+    _trainer(tmp_path, 6, [PruningCallback(prune), lrs, ckpt_cb]).fit(module, _dm(tmp_path))
+    cosine = [1e-2 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(4)]
+    assert [lrs.lrs[g] for g in range(2, 6)] == pytest.approx(cosine, rel=1e-9)
+    trainer = module.trainer
+    assert float(trainer.callback_metrics["lr"]) == pytest.approx(cosine[-1], rel=1e-6), "the logger has the lr"
+
+    resumed, lrs2 = _module(lr_schedule="cosine"), _LRs()
+    ckpt = next((tmp_path / "ckpt").glob("*step=4*.ckpt"))
+    _trainer(tmp_path / "b", 6, [PruningCallback(prune), lrs2]).fit(resumed, _dm(tmp_path / "b"), ckpt_path=ckpt)
+    assert [lrs2.lrs[g] for g in (4, 5)] == pytest.approx(cosine[2:], rel=1e-9)
 
 
 def test_full_finetune_recovery_trains_all_weights(tmp_path):
@@ -154,6 +194,8 @@ def test_unknown_architecture_and_bad_module_settings():
         PruneLM(recovery="qlora")
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         PruneLM(dtype="fp8")
+    with pytest.raises(ValueError, match="unknown lr_schedule 'step'; use one of constant, cosine, linear"):
+        PruneLM(lr_schedule="step")
 
 
 def test_module_deepcopy_free_of_trainer_state():

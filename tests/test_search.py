@@ -198,6 +198,8 @@ def test_bad_options_are_refused():
         SearchOptions(cv_ridges=[-1])
     with pytest.raises(ValueError, match="cv_sequences=0"):
         SearchOptions(cv_sequences=0)
+    with pytest.raises(ValueError, match="restarts=0 is not allowed: an integer >= 1"):
+        SearchOptions(restarts=0)
     for name in ("cv_seed", "seed_calibrated"):  # a string such as "no" would otherwise read as true
         with pytest.raises(ValueError, match=f"{name}='no' is not allowed: true or false"):
             SearchOptions(**{name: "no"})
@@ -591,3 +593,57 @@ def test_a_saved_search_plan_reapplied_repairs_with_its_cross_validated_ridge(tm
     fixed = dataclasses.replace(settings, allocation_args={**args, "cut_ridge": "fixed"})
     assert run_cut(copy.deepcopy(dense), _batches(), fixed).reconstruction["ridge"] == settings.reconstruct_ridge
 
+
+
+def test_restarts_are_independent_searches_and_the_least_kl_is_kept(tmp_path):
+    """restarts=3 with the fixed ridge: each restart is the search a single run with its seed makes (same levels,
+    same KL), the result is the one of least calibration KL, and every restart resumes from its own state file."""
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=2, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=16,
+                         cut_ridge="fixed", seed_calibrated=False, restarts=3)
+    removed, res, _, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path / "r")
+    single = {}
+    for s in (0, 1, 2):
+        one = dataclasses.replace(opts, restarts=1, seed=s)
+        single[s] = run_search(model, _batches(), budget, scores, settings, one, state_dir=tmp_path / f"s{s}")[1]
+    assert res.restarts == pytest.approx({f"seed={s}": single[s].kl for s in single}, rel=1e-9)
+    assert len({tuple(map(tuple, r.levels.values())) for r in single.values()}) > 1  # the seeds search apart
+    best = min(single, key=lambda s: (single[s].kl, s))
+    assert res.levels == single[best].levels and res.kl == single[best].kl
+    assert res.as_dict()["restarts_kl"] == res.restarts
+    assert sorted(p.name for p in (tmp_path / "r").glob("search_state_*")) == sorted(
+        [f"search_state_obs-least_squares_{budget.target}.pt"]
+        + [f"search_state_obs-least_squares_{budget.target}_seed{s}.pt" for s in (1, 2)])
+    again = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path / "r")
+    assert again[0] == removed and again[1].restarts == res.restarts  # each restart read back from its state
+
+
+@pytest.mark.parametrize("winner", ["search", "restart"])
+def test_with_cut_ridge_cv_the_cut_takes_the_restart_that_generalizes_best(monkeypatch, winner):
+    """The restarts other than the one of least calibration KL go to the cross-validation as alternatives; the cut
+    takes the one the held-out sequences prefer, with its own levels and calibration KL."""
+    import prunelight.allocation.search as search
+
+    model, settings, budget, scores, _ = _setup()
+    real = search.cross_validate_ridge
+    seen = {}
+
+    def cv(*args, **kwargs):
+        db, report = real(*args, **kwargs)
+        seen.update(args[7])
+        restart = next(k for k in args[7] if k.startswith("restart "))
+        return db, {**report, "plan": restart if winner == "restart" else "search"}
+
+    monkeypatch.setattr(search, "cross_validate_ridge", cv)
+    opts = SearchOptions(generations=2, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=16,
+                         seed_calibrated=False, cv_seed=False, restarts=3)
+    removed, res, db, _ = run_search(model, _batches(), budget, scores, settings, opts)
+    singles = {s: run_search(model, _batches(), budget, scores, settings,
+                             dataclasses.replace(opts, restarts=1, seed=s, cut_ridge="fixed"))[1] for s in (0, 1, 2)}
+    first = min(singles, key=lambda s: (singles[s].kl, s))
+    others = {f"restart seed={s}": r.levels for s, r in singles.items() if s != first and r.levels != singles[first].levels}
+    assert others and seen == others  # the restarts that ended elsewhere, in seed order
+    taken = singles[int(next(iter(others))[-1])] if winner == "restart" else singles[first]
+    assert res.levels == taken.levels and res.kl == taken.kl
+    space = LevelSpace.of(budget, mlp_levels=16)
+    assert removed == finish(space, res.levels, db)

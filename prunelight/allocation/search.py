@@ -92,6 +92,10 @@ class SearchOptions:
     refit, adds the least output error) or "criterion" (the criterion's scores, lowest first)."""
     seed: int = 0
     """Random seed of the mutations."""
+    restarts: int = 1
+    """Independent searches from the same first generation, with mutation seeds seed, seed + 1, ... The cut takes
+    the result of least KL on the held-out sequences with `cut_ridge: cv` (runs of equal calibration KL differ in
+    how they generalize), else of least calibration KL. Each restart costs one search."""
     cut_ridge: str = "cv"
     """How the cut's refits of the chosen levels are damped. "cv": each ridge of `cv_ridges` refits the levels on
     all but the last `cv_sequences` calibration sequences, the one whose model has the least KL on those held-out
@@ -137,7 +141,7 @@ class SearchOptions:
         for name in ("seed_calibrated", "cv_seed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"prune.allocation_args.{name}={getattr(self, name)!r} is not allowed: true or false")
-        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences"):
+        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
                 raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= "
@@ -392,12 +396,16 @@ class SearchResult:
     kl_top_k: int | None = None  # the k the fitness used (None: the whole distribution)
     repair: str = "least_squares"  # the levels' refit (the database's)
     ridge_cv: dict[str, Any] = field(default_factory=dict)  # the cut's ridge and how it was chosen
+    restarts: dict[str, float] = field(default_factory=dict)  # with restarts: "seed=s" -> its calibration KL
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able summary."""
-        return {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
-                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
-                "repair": self.repair, "ridge_cv": self.ridge_cv}
+        out = {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
+               "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
+               "repair": self.repair, "ridge_cv": self.ridge_cv}
+        if self.restarts:
+            out["restarts_kl"] = self.restarts
+        return out
 
 
 def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: dict[str, Levels],
@@ -478,9 +486,9 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
                          alternatives: dict[str, Levels] | None = None) -> tuple[LevelsDatabase, dict[str, Any]]:
     """The cut's damping by cross-validation (`cut_ridge: cv`): the database with the chosen ridge, and the report.
 
-    `alternatives` (name -> levels, e.g. the best seed with `cv_seed`) are measured on the same held-out sequences at
-    the chosen ridge; the report's `plan` names the one of least held-out KL ("search": `levels`), and `candidates`
-    holds every held-out KL.
+    `alternatives` (name -> levels: the best seed with `cv_seed`, the other `restarts`) are measured on the same
+    held-out sequences at the chosen ridge; the report's `plan` names the one of least held-out KL ("search":
+    `levels`), and `candidates` holds every held-out KL.
 
     With few calibration tokens per refit input (SmolLM2: 8192 tokens for down_proj's 1536 inputs) the refits fit
     their own tokens far better than other text (the search's KL on its sequences is about half the KL on other
@@ -525,7 +533,7 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
     log.info("allocation search: cut ridge %.4g (%.4g on %d held-out sequences, KL %.5f; %s)", final, best, h,
              kl[best], ", ".join(f"{r:g}: {v:.5f}" for r, v in kl.items()))
     if plan != "search":
-        log.info("allocation search: the cut takes the seed %r (held-out KL %.5f against the search's %.5f)", plan,
+        log.info("allocation search: the cut takes %r (held-out KL %.5f against the search's %.5f)", plan,
                  candidates[plan], candidates["search"])
     return out, report
 
@@ -615,6 +623,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     fitness = KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k)
     align = settings.align_channels
     extra: dict[str, Any] = {}
+    runs: dict[str, SearchResult] = {}  # the restarts (not for the uniform shape, which measures every candidate)
     if shape is Shape.UNIFORM:
         seeds, cands = uniform_seeds(space, scores, align)
         result = pick_best(fitness, seeds, options.stages[-1])
@@ -632,23 +641,35 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         tag = "" if shape is Shape.FREE else f"_{shape.name.lower()}"
         state = (state_dir / f"search_state_{options.order}-{db.repair}{tag}_{budget.target}.pt"
                  if state_dir is not None else None)
-        result = evolve(space, fitness, seeds, options, state)
+        runs = {}
+        for r in range(options.restarts):
+            opts = dataclasses.replace(options, seed=options.seed + r)
+            path = state if r == 0 or state is None else state.with_name(f"{state.stem}_seed{opts.seed}.pt")
+            runs[f"seed={opts.seed}"] = evolve(space, fitness, seeds, opts, path)
+        result = min(runs.values(), key=lambda x: x.kl)  # ties: the first seed's
+        result.times_s["search"] = sum(x.times_s["search"] for x in runs.values())
+        if len(runs) > 1:
+            result.restarts = {name: x.kl for name, x in runs.items()}
     result.times_s = {"database": t_db, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
     result.kl_top_k, result.repair = top_k, db.repair
     del fitness  # its dense log-probabilities
     if options.cut_ridge == "cv":
-        alternatives = {}
+        alternatives: dict[str, tuple[Levels, float]] = {}  # name -> levels and calibration KL
+        if shape is not Shape.UNIFORM:
+            for name, run in runs.items():
+                if run is not result and run.levels != result.levels:
+                    alternatives[f"restart {name}"] = (run.levels, run.kl)
         if options.cv_seed and shape is not Shape.UNIFORM and result.seeds:
             name = min(result.seeds, key=lambda k: (result.seeds[k], k))
             if seeds.get(name) is not None and seeds[name] != result.levels:
-                alternatives[name] = seeds[name]
+                alternatives[name] = (seeds[name], result.seeds[name])
         db, result.ridge_cv = cross_validate_ridge(model, db, batches, result.levels, options, reduce_sum, top_k,
-                                                   alternatives)
+                                                   {k: lv for k, (lv, _) in alternatives.items()})
         result.times_s["ridge_cv"] = result.ridge_cv.get("seconds", 0.0)
         chosen = result.ridge_cv.get("plan", "search")
         if chosen != "search":
-            result.levels, result.kl = alternatives[chosen], result.seeds[chosen]
+            result.levels, result.kl = alternatives[chosen]
     else:
         result.ridge_cv = {"chosen_by": "fixed", "ridge": db.ridge}
     if shape is not Shape.UNIFORM:
