@@ -300,7 +300,8 @@ class PruneLM(L.LightningModule):
             params = [nn.Parameter(torch.zeros(1, device=self.device))]
         opt = torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)
         trainer, total = self._trainer, None
-        if trainer is not None and math.isfinite(trainer.estimated_stepping_batches):
+        # Only a decay needs the run's length (Lightning may load the training data early to estimate it).
+        if self.lr_schedule != "constant" and trainer is not None and math.isfinite(trainer.estimated_stepping_batches):
             total = int(trainer.estimated_stepping_batches)
 
         def factor(step: int) -> float:

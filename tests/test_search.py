@@ -641,7 +641,8 @@ def test_with_cut_ridge_cv_the_cut_takes_the_restart_that_generalizes_best(monke
     singles = {s: run_search(model, _batches(), budget, scores, settings,
                              dataclasses.replace(opts, restarts=1, seed=s, cut_ridge="fixed"))[1] for s in (0, 1, 2)}
     first = min(singles, key=lambda s: (singles[s].kl, s))
-    others = {f"restart seed={s}": r.levels for s, r in singles.items() if s != first and r.levels != singles[first].levels}
+    others = {f"restart seed={s}": r.levels for s, r in singles.items()
+              if s != first and r.levels != singles[first].levels}
     assert others and seen == others  # the restarts that ended elsewhere, in seed order
     taken = singles[int(next(iter(others))[-1])] if winner == "restart" else singles[first]
     assert res.levels == taken.levels and res.kl == taken.kl
