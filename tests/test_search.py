@@ -280,7 +280,7 @@ def test_the_cut_takes_the_seed_that_generalizes_better_than_the_search_result(t
         return db, {**report, "plan": next(iter(alternatives)) if winner == "seed" else "search"}
 
     monkeypatch.setattr(search, "cross_validate_ridge", cv)
-    opts = SearchOptions(generations=6, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
+    opts = SearchOptions(generations=6, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8, cv_seed=True)
     removed, res, db, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
     monkeypatch.setattr(search, "cross_validate_ridge", real)
     # the same search resumed from its state, without the seed's check: the search's own result
