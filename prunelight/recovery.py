@@ -1,4 +1,5 @@
-"""Recovery after the cut: LoRA adapters via peft, or full fine-tuning; merging before export."""
+"""Recovery after the cut: LoRA adapters via peft, or full fine-tuning; merging before export; the learning-rate
+schedules."""
 
 from __future__ import annotations
 

@@ -642,7 +642,6 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         tag = "" if shape is Shape.FREE else f"_{shape.name.lower()}"
         state = (state_dir / f"search_state_{options.order}-{db.repair}{tag}_{budget.target}.pt"
                  if state_dir is not None else None)
-        runs = {}
         for r in range(options.restarts):
             opts = dataclasses.replace(options, seed=options.seed + r)
             path = state if r == 0 or state is None else state.with_name(f"{state.stem}_seed{opts.seed}.pt")
