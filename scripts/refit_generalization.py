@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a Hugging Face folder (fp32)")
     bench.add_data_arguments(p, model=False)
-    p.add_argument("--state-dir", required=True, help="the search's folder: levels_obs.pt and its search state")
+    p.add_argument("--state-dir", required=True, help="the search's folder: levels_<order>.pt and its search state")
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--samples", type=int, default=64, help="calibration sequences of the search run")
     p.add_argument("--seq-len", type=int, default=128)

@@ -55,7 +55,7 @@ def test_mutations_stay_inside_the_budget_window():
             lv = kid
 
 
-@pytest.mark.parametrize("order", ["criterion", "obs"])
+@pytest.mark.parametrize("order", ["criterion", "obs", "obs_kfac"])
 def test_a_level_is_what_the_cut_with_least_squares_writes(order):
     """The database's weights at a level equal the model cut to that level and repaired by the run's reconstruction."""
     import copy
@@ -503,7 +503,8 @@ def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_p
 
 
 @pytest.mark.parametrize("order,method,cut_ridge", [("criterion", "least_squares", "fixed"), ("obs", "obs", "fixed"),
-                                                    ("obs", "least_squares", "fixed"), ("obs", "least_squares", "cv")])
+                                                    ("obs", "least_squares", "fixed"), ("obs", "least_squares", "cv"),
+                                                    ("obs_kfac", "least_squares", "cv")])
 def test_the_cut_after_a_search_writes_the_database_refits_equal_to_fitting_again(order, method, cut_ridge):
     """The cut of a search plan takes its repair from the levels database: the same model as fitting it again
     (`reconstruct.cut_and_reconstruct`), the same figures; another repair than the database's is fitted as usual.
