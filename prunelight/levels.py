@@ -140,7 +140,8 @@ def sampled_labels(ids: torch.Tensor, logits: torch.Tensor, seed: int = 0) -> to
     its own tokens, so a sequence gets the same labels on any rank and in any batch (DDP equals one process)."""
     out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
     for r in range(logits.shape[0]):
-        key = zlib.crc32(ids[r].detach().to("cpu", torch.int64).numpy().tobytes(), seed)  # 32 bits: the generator's
+        # A 32-bit key: the CPU generator keeps only the low 32 bits of a seed, so seed enters the hash instead.
+        key = zlib.crc32(ids[r].detach().to("cpu", torch.int64).numpy().tobytes(), seed)
         gen = torch.Generator(device=logits.device).manual_seed(key)
         out[r] = torch.multinomial(logits[r].softmax(-1), 1, generator=gen).squeeze(1)
     return out
