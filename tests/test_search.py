@@ -11,6 +11,7 @@ import torch
 from prunelight.allocation.base import Shape
 from prunelight.allocation.budget import build_plan, make_budget, plan_params_removed
 from prunelight.allocation.search import (
+    CrossFitKL,
     KLFitness,
     LevelSpace,
     SearchOptions,
@@ -18,6 +19,7 @@ from prunelight.allocation.search import (
     evolve,
     finish,
     run_search,
+    seed_levels,
 )
 from prunelight.importance import build_criterion
 from prunelight.levels import build_database
@@ -92,6 +94,27 @@ def test_kl_fitness_is_zero_for_the_dense_levels_and_grows_with_removal():
     assert torch.allclose(ref, model(input_ids=rows[:2]).logits)
 
 
+def test_cross_fitted_fitness_scores_each_fold_with_refits_fitted_without_it():
+    """`CrossFitKL` against an independent computation: for each half of the sequences, a database built from the
+    other half alone and the plain KL on that half; the first n sequences weigh the folds they span."""
+    model, settings, budget, scores, db = _setup(order="criterion")  # the same order whichever rows are read
+    rows = torch.cat(_batches())  # 8 sequences: folds of 4
+    lim = {k: budget.limits(k) for k in ("attn", "mlp")}
+    lv = LevelSpace.of(budget, mlp_levels=8).snap({"attn": [1, 0, 0], "mlp": [24, 16, 8]})
+    before = {key: b.gram.clone() for key, b in db.blocks.items()}
+    cross = CrossFitKL(model, db, rows, folds=2, batch=2)
+    halves = [rows[:4], rows[4:]]
+    alone = [KLFitness(model, build_database(model, list(halves[1 - f].split(2)), scores, lim, "criterion",
+                                             settings.reconstruct_ridge), halves[f]) for f in range(2)]
+    assert cross(lv, 8) == pytest.approx((alone[0](lv, 4) + alone[1](lv, 4)) / 2, rel=1e-4)
+    assert cross(lv, 3) == pytest.approx(alone[0](lv, 3), rel=1e-4)
+    assert cross(lv, 6) == pytest.approx((4 * alone[0](lv, 4) + 2 * alone[1](lv, 2)) / 6, rel=1e-4)
+    assert cross(lv, 8) > KLFitness(model, db, rows)(lv, 8)  # out of sample the refits fit worse
+    assert cross.forwards == 8 + 3 + 6 + 8 and all(torch.equal(before[k], b.gram) for k, b in db.blocks.items())
+    dense = {"attn": [0, 0, 0], "mlp": [0, 0, 0]}
+    assert cross(dense, 8) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_top_k_kl_is_a_lower_bound_that_is_exact_at_the_whole_vocabulary():
     """kl_top_k coarsens both distributions to the dense top k plus one bucket: never above the full KL, equal to it
     with k = vocabulary, and checked here against the formula computed by hand for one candidate."""
@@ -147,10 +170,19 @@ def test_kl_top_k_auto_keeps_the_whole_distribution_while_it_fits_in_a_gibibyte(
         SearchOptions(kl_top_k="all")
 
 
-def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path):
+@pytest.mark.parametrize("folds", [1, 2])
+def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path, folds):
     model, settings, budget, scores, _ = _setup()
-    opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8)
+    opts = SearchOptions(generations=4, offspring=4, stages=(2, 4), survivors=(4, 1), mlp_levels=8,
+                         fitness_folds=folds)
     removed, res, db, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    assert res.fitness_folds == folds and res.as_dict()["fitness_folds"] == folds
+    if folds == 2:  # the seeds' figures are the cross-fitted KL: each half of the 4 sequences without its refits
+        searched = dataclasses.replace(db, ridge=settings.reconstruct_ridge)  # the search's ridge, not the cut's
+        uniform = seed_levels(LevelSpace.of(budget, mlp_levels=8), scores)["uniform"]
+        cross = CrossFitKL(model, searched, torch.cat(_batches())[:4], 2, 2)(uniform, 4)
+        assert res.seeds["uniform"] == pytest.approx(cross, rel=1e-6)
+        assert cross > KLFitness(model, searched, torch.cat(_batches())[:4])(uniform, 4)
     assert res.kl <= min(res.seeds.values()) + 1e-12
     assert {"uniform", "global"} <= set(res.seeds)
     total = plan_params_removed(budget, build_plan(budget, removed))
@@ -173,6 +205,30 @@ def test_search_resumes_from_its_state(tmp_path):
     resumed = evolve(space, fit, seeds, opts, tmp_path / "s.pt")
     assert resumed.levels == whole.levels and resumed.kl == pytest.approx(whole.kl)
     assert len(resumed.trajectory) == 4
+
+
+def test_a_state_saved_with_other_fitness_folds_is_not_resumed(tmp_path):
+    """The fold count changes every KL the state holds: a search with other folds starts afresh, one with the same
+    folds resumes (and a state of the in-sample fitness keeps resuming as it did before the option)."""
+    model, settings, budget, scores, db = _setup()
+    space = LevelSpace.of(budget, mlp_levels=8)
+    base = KLFitness(model, db, torch.cat(_batches()))
+    calls = []
+
+    def fit(levels, n):
+        calls.append(n)
+        return base(levels, n)
+
+    seeds = {"uniform": space.snap({"attn": [0] * 3, "mlp": [16] * 3})}
+    opts = SearchOptions(generations=1, offspring=2, stages=(4,), survivors=(2,), mlp_levels=8)
+    evolve(space, fit, seeds, opts, tmp_path / "s.pt")
+    assert "fitness_folds" not in torch.load(tmp_path / "s.pt", weights_only=False)["options"]
+    calls.clear()
+    evolve(space, fit, seeds, opts, tmp_path / "s.pt")  # the same options: nothing left to do
+    assert calls == []
+    evolve(space, fit, seeds, dataclasses.replace(opts, fitness_folds=2), tmp_path / "s.pt")
+    assert len(calls) == 1 + 2  # the seed scored again, then one generation of two offspring
+    assert torch.load(tmp_path / "s.pt", weights_only=False)["options"]["fitness_folds"] == 2
 
 
 def test_finish_lands_within_one_channel():
@@ -200,6 +256,8 @@ def test_bad_options_are_refused():
         SearchOptions(cv_sequences=0)
     with pytest.raises(ValueError, match="restarts=0 is not allowed: an integer >= 1"):
         SearchOptions(restarts=0)
+    with pytest.raises(ValueError, match="fitness_folds=0 is not allowed: an integer >= 1"):
+        SearchOptions(fitness_folds=0)
     for name in ("cv_seed", "seed_calibrated"):  # a string such as "no" would otherwise read as true
         with pytest.raises(ValueError, match=f"{name}='no' is not allowed: true or false"):
             SearchOptions(**{name: "no"})
@@ -466,8 +524,9 @@ def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_p
     import json
 
     bench, ckpt, files = _benchmark_search_and_data(tmp_path)
+    # in-sample fitness (fitness_folds 1): refit_generalization below measures the refits on their own sequences
     quick = {"importance_batches": 1, "allocation_args": {"generations": 1, "offspring": 2, "stages": [4],
-                                                          "survivors": [1], "mlp_levels": 8}}
+                                                          "survivors": [1], "mlp_levels": 8, "fitness_folds": 1}}
     argv = ["--model", str(ckpt), "--calibration", str(files["valid"]), "--eval", str(files["test"]),
             "--eval-chars", "3000", "--samples", "8", "--seq-len", "16", "--rows", "default",
             "--state-dir", str(tmp_path / "state"), "--out-dir", str(tmp_path), "--name", "s",

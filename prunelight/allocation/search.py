@@ -9,7 +9,8 @@ evaluating a candidate is one masked forward of the model with those weights swa
   final removal (`finish`) gives back the last channels of the orders until target <= P < target + c_cost counting
   everything `plan_params_removed` counts, the contract of the other allocations (`plan.budget_error_params`).
 - Fitness: the mean per-token KL(dense || candidate) of the next-token distributions on calibration sequences
-  (`KLFitness`; the dense log-probabilities are computed once).
+  (`KLFitness`; the dense log-probabilities are computed once). With `fitness_folds` > 1 it is cross-fitted
+  (`CrossFitKL`): each fold of the scored sequences is scored with refits fitted without it.
 - Search (`evolve`): (1 + λ) with elitism, as EvoPress: each generation λ offspring of the best candidate, each
   with a few *level moves* (`mutate`): one sub-block gives a level and another of the same kind takes one (equal
   cost), or a GQA group is traded for MLP steps and the MLP side is repaired to the budget window. Selection runs in
@@ -97,6 +98,14 @@ class SearchOptions:
     units again by plain OBS at the cut: pair it with "obs"."""
     seed: int = 0
     """Random seed of the mutations."""
+    fitness_folds: int = 1
+    """Cross-fitting of the search's fitness: the scored sequences (the last stage's) are split into this many folds
+    and each fold is scored with every level refitted without it (the database's Grams less the fold's), so
+    candidates are ranked by how their refits do on text they were not fitted to. 1: the refits have seen the
+    sequences they are scored on (in-sample). One dense pass per fold, and each fold holds a copy of the Grams while
+    the search runs (Llama-3-8B: 28 GB each). Not the default: on SmolLM2, 2 folds gave 1.270x against 1.284x at
+    20% and 2.745x against 2.857x at 50%, but 1% worse at 30% (docs/benchmarks.md), and the copies would not fit
+    beside an 8B model's Grams on an 80 GB GPU."""
     restarts: int = 1
     """Independent searches from the same first generation, with mutation seeds seed, seed + 1, ... The cut takes
     the result of least KL on the held-out sequences with `cut_ridge: cv` (runs of equal calibration KL differ in
@@ -147,7 +156,7 @@ class SearchOptions:
         for name in ("seed_calibrated", "cv_seed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"prune.allocation_args.{name}={getattr(self, name)!r} is not allowed: true or false")
-        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts"):
+        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts", "fitness_folds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
                 raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= "
@@ -388,6 +397,50 @@ class KLFitness:
             self.base.train(was)
 
 
+def without_sequences(model: nn.Module, db: LevelsDatabase, rows: torch.Tensor, batch: int,
+                      reduce_sum: ReduceSum | None = None) -> LevelsDatabase:
+    """The database refitted without `rows`: the same orders, each Gram less those sequences' (summed over ranks)."""
+    grams, tokens = input_grams(model, list(rows.split(max(batch, 1))), reduce_sum)
+    blocks = {}
+    for (kind, i), b in db.blocks.items():
+        g = grams[i][kind].to(b.gram.device)
+        blocks[(kind, i)] = SubBlock(b.order, b.columns, g.neg_().add_(b.gram), b.weight)  # in place: G - G_rows
+    del grams
+    return LevelsDatabase(blocks, db.order, db.ridge, db.tokens - tokens, repair=db.repair,
+                          cache_bytes=db.cache_bytes)
+
+
+class CrossFitKL:
+    """`KLFitness` cross-fitted: the sequences in `folds` contiguous folds, each scored with the levels refitted
+    without its own sequences; the KL on the first n sequences is the token-weighted mean over the folds they span.
+
+    In-sample, a level's least-squares refit partly fits the noise of the very tokens it is scored on, the more so
+    the more units it removes per calibration token, so the search's ranking leans towards deep cuts."""
+
+    def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, folds: int, batch: int = 8,
+                 reduce_sum: ReduceSum | None = None, top_k: int | None = None) -> None:
+        parts = [p for p in torch.tensor_split(sequences, min(folds, sequences.shape[0])) if p.shape[0]]
+        self.sizes = [p.shape[0] for p in parts]
+        self.parts = [KLFitness(model, without_sequences(model, db, p, batch, reduce_sum), p, reduce_sum=reduce_sum,
+                                top_k=top_k) for p in progress(parts, "search fitness folds", unit="fold")]
+
+    @property
+    def forwards(self) -> int:
+        """Calibration sequences run by every fold."""
+        return sum(p.forwards for p in self.parts)
+
+    def __call__(self, levels: Levels, n: int) -> float:
+        """Mean KL on the first `n` sequences, each fold's with its own refits (rows of equal length)."""
+        total, left = 0.0, n
+        for size, part in zip(self.sizes, self.parts):
+            k = min(left, size)
+            if k <= 0:
+                break
+            total += k * part(levels, k)
+            left -= k
+        return total / max(n - left, 1)
+
+
 # --- the search -----------------------------------------------------------------------------------------------------
 @dataclass
 class SearchResult:
@@ -404,12 +457,13 @@ class SearchResult:
     repair: str = "least_squares"  # the levels' refit (the database's)
     ridge_cv: dict[str, Any] = field(default_factory=dict)  # the cut's ridge and how it was chosen
     restarts: dict[str, float] = field(default_factory=dict)  # with restarts: "seed=s" -> its calibration KL
+    fitness_folds: int = 1  # folds of the cross-fitted fitness (1: in-sample refits)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able summary."""
         out = {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
-               "repair": self.repair, "ridge_cv": self.ridge_cv}
+               "repair": self.repair, "ridge_cv": self.ridge_cv, "fitness_folds": self.fitness_folds}
         if self.restarts:
             out["restarts_kl"] = self.restarts
         return out
@@ -469,8 +523,12 @@ def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: di
 
 
 def _opts(options: SearchOptions) -> dict:
-    return {k: getattr(options, k) for k in ("offspring", "stages", "survivors", "moves", "mlp_levels", "order",
-                                             "seed", "kl_top_k")}  # not the cut's ridge: it does not change a step
+    # not the cut's ridge: it does not change a step
+    out = {k: getattr(options, k) for k in ("offspring", "stages", "survivors", "moves", "mlp_levels", "order", "seed",
+                                            "kl_top_k")}
+    if options.fitness_folds != 1:  # only then: states saved before the option still resume
+        out["fitness_folds"] = options.fitness_folds
+    return out
 
 
 def _save_state(path: Path, state: dict) -> None:
@@ -511,14 +569,8 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
                     "prune.reconstruct_ridge=%s", db.ridge)
         return db, {"chosen_by": "fixed (fewer than 4 calibration sequences)", "ridge": db.ridge}
     held = rows[-h:]
-    grams, held_tokens = input_grams(model, list(held.split(max(int(batches[0].shape[0]), 1))), reduce_sum)
-    fit_blocks = {}
-    for (kind, i), b in db.blocks.items():
-        g = grams[i][kind].to(b.gram.device)
-        fit_blocks[(kind, i)] = SubBlock(b.order, b.columns, g.neg_().add_(b.gram), b.weight)  # in place: G - G_held
-    del grams
-    fit_tokens = db.tokens - held_tokens
-    fit = LevelsDatabase(fit_blocks, db.order, db.ridge, fit_tokens, repair=db.repair, cache_bytes=db.cache_bytes)
+    fit = without_sequences(model, db, held, int(batches[0].shape[0]), reduce_sum)
+    fit_tokens = fit.tokens
     fitness = KLFitness(model, fit, held, reduce_sum=reduce_sum, top_k=top_k)
     kl: dict[float, float] = {}
     for r in progress(list(options.cv_ridges), "cut ridge (cross-validation)", unit="ridge"):
@@ -627,7 +679,12 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     t_db = time.perf_counter() - t0
     rows = calibration_rows(batches, options.stages[-1])
     top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).get_output_embeddings().weight.shape[0]))
-    fitness = KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k)
+    batch = int(batches[0].shape[0])
+    t_fit = time.perf_counter()
+    fitness = (CrossFitKL(model, db, rows, options.fitness_folds, batch, reduce_sum, top_k)
+               if options.fitness_folds > 1
+               else KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k))
+    t_fit = time.perf_counter() - t_fit  # the dense log-probabilities (and the folds' Grams)
     align = settings.align_channels
     extra: dict[str, Any] = {}
     runs: dict[str, SearchResult] = {}  # the restarts (not for the uniform shape, which measures every candidate)
@@ -656,9 +713,10 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         result.times_s["search"] = sum(x.times_s["search"] for x in runs.values())
         if len(runs) > 1:
             result.restarts = {name: x.kl for name, x in runs.items()}
-    result.times_s = {"database": t_db, "search": result.times_s["search"]}
+    result.times_s = {"database": t_db, "fitness": t_fit, "search": result.times_s["search"]}
     result.forwards = fitness.forwards
     result.kl_top_k, result.repair = top_k, db.repair
+    result.fitness_folds = len(fitness.parts) if isinstance(fitness, CrossFitKL) else 1
     del fitness  # its dense log-probabilities
     if options.cut_ridge == "cv":
         alternatives: dict[str, tuple[Levels, float]] = {}  # name -> levels and calibration KL
