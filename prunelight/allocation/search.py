@@ -414,8 +414,8 @@ class CrossFitKL:
     """`KLFitness` cross-fitted: the sequences in `folds` contiguous folds, each scored with the levels refitted
     without its own sequences; the KL on the first n sequences is the token-weighted mean over the folds they span.
 
-    In-sample, a level's least-squares refit partly fits the noise of the very tokens it is scored on, the more so
-    the more units it removes per calibration token, so the search's ranking leans towards deep cuts."""
+    In-sample, a level's least-squares refit partly fits the noise of the very tokens it is scored on, which flatters
+    every refitted level by an amount of its own; here each fold measures what its refits do on unseen tokens."""
 
     def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, folds: int, batch: int = 8,
                  reduce_sum: ReduceSum | None = None, top_k: int | None = None) -> None:
