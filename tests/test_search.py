@@ -10,11 +10,14 @@ import torch
 
 from prunelight.allocation.base import Shape
 from prunelight.allocation.budget import build_plan, make_budget, plan_params_removed
+from prunelight.allocation import search as search_mod
 from prunelight.allocation.search import (
+    AUTO_FOLDS_MEMORY_SHARE,
     CrossFitKL,
     KLFitness,
     LevelSpace,
     SearchOptions,
+    auto_fitness_folds,
     counts_of,
     evolve,
     finish,
@@ -193,6 +196,38 @@ def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path, fol
     assert (tmp_path / f"search_state_obs-least_squares_{budget.target}.pt").is_file()
 
 
+def test_fitness_folds_auto_cross_fits_when_the_fold_copies_fit_in_memory(monkeypatch):
+    """auto: 2 folds while two copies of the Grams take at most the share of free memory, where every rank scores
+    two sequences or more, and only when every rank agrees; else the in-sample fitness."""
+    _, _, _, _, db = _setup()
+    assert SearchOptions().fitness_folds == "auto"
+    need = 2 * sum(b.gram.numel() * b.gram.element_size() for b in db.blocks.values())
+    assert auto_fitness_folds(db, 32) == 2  # the tiny Grams fit in this host's memory
+    monkeypatch.setattr(search_mod, "free_memory", lambda device: int(need / AUTO_FOLDS_MEMORY_SHARE))
+    assert auto_fitness_folds(db, 32) == 2  # exactly at the share
+    monkeypatch.setattr(search_mod, "free_memory", lambda device: int(need / AUTO_FOLDS_MEMORY_SHARE) - 1)
+    assert auto_fitness_folds(db, 32) == 1
+    monkeypatch.setattr(search_mod, "free_memory", lambda device: None)  # a device whose memory cannot be read
+    assert auto_fitness_folds(db, 32) == 1
+    monkeypatch.setattr(search_mod, "free_memory", lambda device: 1 << 50)
+    assert auto_fitness_folds(db, 1) == 1  # one sequence cannot be split
+    assert auto_fitness_folds(db, 32, reduce_sum=lambda t: t) == 2  # one rank that fits
+    assert auto_fitness_folds(db, 32, reduce_sum=lambda t: t + 1) == 1  # another rank does not fit
+
+
+def test_the_default_search_resolves_auto_folds_and_records_the_count(tmp_path, monkeypatch):
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=1, offspring=2, stages=(4,), survivors=(2,), mlp_levels=8)
+    _, res, _, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    assert res.fitness_folds == 2 and res.as_dict()["fitness_folds"] == 2
+    state = tmp_path / f"search_state_obs-least_squares_{budget.target}.pt"
+    assert torch.load(state, weights_only=False)["options"]["fitness_folds"] == 2  # the count, not "auto"
+    monkeypatch.setattr(search_mod, "free_memory", lambda device: 0)
+    _, res, _, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path / "low")
+    assert res.fitness_folds == 1
+    assert "fitness_folds" not in torch.load(tmp_path / "low" / state.name, weights_only=False)["options"]
+
+
 def test_search_resumes_from_its_state(tmp_path):
     model, settings, budget, scores, db = _setup()
     space = LevelSpace.of(budget, mlp_levels=8)
@@ -220,7 +255,7 @@ def test_a_state_saved_with_other_fitness_folds_is_not_resumed(tmp_path):
         return base(levels, n)
 
     seeds = {"uniform": space.snap({"attn": [0] * 3, "mlp": [16] * 3})}
-    opts = SearchOptions(generations=1, offspring=2, stages=(4,), survivors=(2,), mlp_levels=8)
+    opts = SearchOptions(generations=1, offspring=2, stages=(4,), survivors=(2,), mlp_levels=8, fitness_folds=1)
     evolve(space, fit, seeds, opts, tmp_path / "s.pt")
     assert "fitness_folds" not in torch.load(tmp_path / "s.pt", weights_only=False)["options"]
     calls.clear()
@@ -256,8 +291,9 @@ def test_bad_options_are_refused():
         SearchOptions(cv_sequences=0)
     with pytest.raises(ValueError, match="restarts=0 is not allowed: an integer >= 1"):
         SearchOptions(restarts=0)
-    with pytest.raises(ValueError, match="fitness_folds=0 is not allowed: an integer >= 1"):
-        SearchOptions(fitness_folds=0)
+    for bad in (0, "two", True):
+        with pytest.raises(ValueError, match=f"fitness_folds={bad!r} is not allowed: an integer >= 1 or auto"):
+            SearchOptions(fitness_folds=bad)
     for name in ("cv_seed", "seed_calibrated"):  # a string such as "no" would otherwise read as true
         with pytest.raises(ValueError, match=f"{name}='no' is not allowed: true or false"):
             SearchOptions(**{name: "no"})

@@ -10,7 +10,8 @@ evaluating a candidate is one masked forward of the model with those weights swa
   everything `plan_params_removed` counts, the contract of the other allocations (`plan.budget_error_params`).
 - Fitness: the mean per-token KL(dense || candidate) of the next-token distributions on calibration sequences
   (`KLFitness`; the dense log-probabilities are computed once). With `fitness_folds` > 1 it is cross-fitted
-  (`CrossFitKL`): each fold of the scored sequences is scored with refits fitted without it.
+  (`CrossFitKL`): each fold of the scored sequences is scored with refits fitted without it (`auto`, the default:
+  two folds where their copies of the Grams fit in memory, `auto_fitness_folds`).
 - Search (`evolve`): (1 + λ) with elitism, as EvoPress: each generation λ offspring of the best candidate, each
   with a few *level moves* (`mutate`): one sub-block gives a level and another of the same kind takes one (equal
   cost), or a GQA group is traded for MLP steps and the MLP side is repaired to the budget window. Selection runs in
@@ -70,6 +71,11 @@ Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups;
 # results/benchmarks/search_kl_top_k.md) in 2 KB per token.
 AUTO_FULL_KL_BYTES = 1 << 30
 AUTO_TOP_K = 256
+# fitness_folds: auto cross-fits with 2 folds when their copies of the Grams take at most half of the free memory
+# (the rest is for the search's forwards, the refits' solves and their cache); Llama-3-8B's 2 x 28 GB do not fit
+# beside the model and the database on an 80 GB GPU, SmolLM2's 2 x 0.3 GB fit anywhere.
+AUTO_FOLDS = 2
+AUTO_FOLDS_MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -98,14 +104,15 @@ class SearchOptions:
     units again by plain OBS at the cut: pair it with "obs"."""
     seed: int = 0
     """Random seed of the mutations."""
-    fitness_folds: int = 1
+    fitness_folds: int | str = "auto"
     """Cross-fitting of the search's fitness: the scored sequences (the last stage's) are split into this many folds
     and each fold is scored with every level refitted without it (the database's Grams less the fold's), so
     candidates are ranked by how their refits do on text they were not fitted to. 1: the refits have seen the
-    sequences they are scored on (in-sample). One dense pass per fold, and each fold holds a copy of the Grams while
-    the search runs (Llama-3-8B: 28 GB each). Not the default: on SmolLM2, 2 folds gave 1.270x against 1.284x at
-    20% and 2.745x against 2.857x at 50%, but 1% worse at 30% (docs/benchmarks.md), and the copies would not fit
-    beside an 8B model's Grams on an 80 GB GPU."""
+    sequences they are scored on (in-sample). Each fold holds a copy of the Grams while the search runs (Llama-3-8B:
+    28 GB each). "auto": 2 when two copies take at most half of the memory free where the Grams are held (the GPU's,
+    or the host's on CPU) on every rank, else 1 (`auto_fitness_folds`; plan.meta.search records the count). On
+    SmolLM2, 2 folds gave 1.270x against 1.284x in-sample at 20% and 2.745x against 2.857x at 50%, level at 10%, 1%
+    worse at 30% (docs/benchmarks.md)."""
     restarts: int = 1
     """Independent searches from the same first generation, with mutation seeds seed, seed + 1, ... The cut takes
     the result of least KL on the held-out sequences with `cut_ridge: cv` (runs of equal calibration KL differ in
@@ -156,7 +163,10 @@ class SearchOptions:
         for name in ("seed_calibrated", "cv_seed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"prune.allocation_args.{name}={getattr(self, name)!r} is not allowed: true or false")
-        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts", "fitness_folds"):
+        folds = self.fitness_folds
+        if folds != "auto" and (isinstance(folds, bool) or not isinstance(folds, int) or folds < 1):
+            raise ValueError(f"prune.allocation_args.fitness_folds={folds!r} is not allowed: an integer >= 1 or auto")
+        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
                 raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= "
@@ -395,6 +405,32 @@ class KLFitness:
             for key, proj in self.projs.items():
                 proj.weight.data = self.dense_w[key]
             self.base.train(was)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: the GPU's free memory, the host's available memory for CPU (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        import psutil  # a dependency of accelerate; only needed here
+
+        return int(psutil.virtual_memory().available)
+    return None
+
+
+def auto_fitness_folds(db: LevelsDatabase, sequences: int, reduce_sum: ReduceSum | None = None) -> int:
+    """`fitness_folds: auto`: AUTO_FOLDS when every rank scores at least that many sequences and the folds' copies
+    of the Grams take at most AUTO_FOLDS_MEMORY_SHARE of the memory free where the Grams are held, else 1."""
+    grams = [b.gram for b in db.blocks.values()]
+    need = AUTO_FOLDS * sum(g.numel() * g.element_size() for g in grams)
+    free = free_memory(grams[0].device) if grams else None
+    fits = sequences >= AUTO_FOLDS and free is not None and need <= AUTO_FOLDS_MEMORY_SHARE * free
+    if reduce_sum is not None:  # every rank must take the same count: one that does not fit decides for all
+        fits = float(reduce_sum(torch.tensor([0.0 if fits else 1.0], dtype=torch.float64))[0]) == 0.0
+    folds = AUTO_FOLDS if fits else 1
+    log.info("allocation search: fitness_folds auto -> %d (fold copies %.2f GB, free %s)", folds, need / 1e9,
+             "unknown" if free is None else f"{free / 1e9:.1f} GB")
+    return folds
 
 
 def without_sequences(model: nn.Module, db: LevelsDatabase, rows: torch.Tensor, batch: int,
@@ -681,6 +717,8 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).get_output_embeddings().weight.shape[0]))
     batch = int(batches[0].shape[0])
     t_fit = time.perf_counter()
+    if options.fitness_folds == "auto":  # resolved before the search: the state's key holds the count
+        options = dataclasses.replace(options, fitness_folds=auto_fitness_folds(db, rows.shape[0], reduce_sum))
     fitness = (CrossFitKL(model, db, rows, options.fitness_folds, batch, reduce_sum, top_k)
                if options.fitness_folds > 1
                else KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k))
