@@ -606,7 +606,6 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
         return db, {"chosen_by": "fixed (fewer than 4 calibration sequences)", "ridge": db.ridge}
     held = rows[-h:]
     fit = without_sequences(model, db, held, int(batches[0].shape[0]), reduce_sum)
-    fit_tokens = fit.tokens
     fitness = KLFitness(model, fit, held, reduce_sum=reduce_sum, top_k=top_k)
     kl: dict[float, float] = {}
     for r in progress(list(options.cv_ridges), "cut ridge (cross-validation)", unit="ridge"):
@@ -619,7 +618,7 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
         for name, lv in alternatives.items():
             candidates[name] = fitness(lv, h)
     plan = min(candidates, key=lambda k: (candidates[k], k != "search"))  # a tie keeps the search's result
-    final = best * fit_tokens / db.tokens
+    final = best * fit.tokens / db.tokens
     out = dataclasses.replace(db, ridge=final, ridge_validated=True)  # the same Grams, refits derived anew
     report = {"chosen_by": "cv", "sequences": h, "kl": {str(r): v for r, v in kl.items()}, "chosen": best,
               "ridge": final, "seconds": time.perf_counter() - t0}
