@@ -23,8 +23,9 @@ order `obs` and `reconstruct: obs` it is OBS's final update (damping from the fu
 (with order `obs` the units are OBS's greedy choice, refitted as `reconstruct: least_squares` refits them).
 SmolLM2-135M: 30 x (576² + 1536²) x 4 B = 323 MB of Grams, plus the orders.
 
-The database is saved (`save` / `load`, a torch file with a key of the model's sizes, the criterion, the order and
-the calibration tokens), so other ratios and later runs reuse it as they reuse saved scores.
+The database is saved (`save` / `load`, a torch file with a key of the model's sizes and weights, the criterion, the
+order, the ridge and the calibration tokens: `database_key`), so other ratios and later runs reuse it as they reuse
+saved scores, and anything else rebuilds it.
 """
 
 from __future__ import annotations
@@ -264,16 +265,38 @@ class LevelsDatabase:
             torch.save(data, tmp)
 
 
-def database_key(model: nn.Module, criterion: str, order: str, tokens: int) -> dict[str, Any]:
-    """What a saved database is valid for: the model's layer sizes and a weight fingerprint, criterion, order,
-    calibration tokens (not the repair: a level's refit is derived from the Gram on demand, for either repair)."""
+def database_key(model: nn.Module, batches: list[torch.Tensor], criterion: str, order: str, ridge: float,
+                 reduce_sum: ReduceSum | None = None) -> dict[str, Any]:
+    """What a saved database is valid for: the model's layer sizes and a fingerprint of all its weights, criterion,
+    order, the ridge OBS's order was chosen with, and the calibration tokens (their count and a fingerprint of their
+    content, summed over ranks). Not the repair: a level's refit is derived from the Gram on demand, for either."""
     base = unwrap(model)
     family = get_family(base)
     shapes = family.layer_shapes(base)
-    first = output_proj(family, family.layers(base)[0], "mlp").weight
+    counts = torch.tensor([float(sum(b.numel() for b in batches)), _tokens_fingerprint(batches)],
+                          dtype=torch.float64)
+    if reduce_sum is not None:
+        counts = reduce_sum(counts).cpu()
     return {"groups": [s.num_key_value_heads for s in shapes], "channels": [s.intermediate_size for s in shapes],
-            "fingerprint": float(first.detach().double().abs().sum()), "criterion": criterion, "order": order,
-            "tokens": tokens}
+            "fingerprint": _weights_fingerprint(base), "criterion": criterion, "order": order, "ridge": float(ridge),
+            "tokens": int(counts[0]), "tokens_fingerprint": float(counts[1])}
+
+
+def _weights_fingerprint(model: nn.Module) -> float:
+    """Σ|w| over every parameter, in fp64 chunks (bounded scratch memory even for an 8B embedding)."""
+    total = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            for chunk in p.detach().reshape(-1).split(1 << 24):
+                total += float(chunk.abs().sum(dtype=torch.float64))
+    return total
+
+
+def _tokens_fingerprint(batches: list[torch.Tensor]) -> float:
+    """Sum over sequences of a 32-bit CRC of each one's token ids: the Grams do not depend on the sequences' order,
+    neither does this, and a sum of per-rank values is exact in fp64 up to 2**21 sequences."""
+    return float(sum(zlib.crc32(row.to(torch.int64).cpu().numpy().tobytes())
+                     for b in batches for row in b.reshape(-1, b.shape[-1])))
 
 
 def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
@@ -315,7 +338,8 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
             s = scores[kind][i].float()
             seq = sorted(range(n), key=lambda j: (float(s[j]), j))[:lim]
         blocks[(kind, i)] = SubBlock(list(seq), cols, g, w)
-    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, criterion, order, tokens), repair=repair)
+    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, batches, criterion, order, ridge, reduce_sum),
+                        repair=repair)
     db.build_s = time.perf_counter() - t0
     return db
 

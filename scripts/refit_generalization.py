@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     options = SearchOptions()
     budget = make_budget(model, settings)
     state_dir = Path(args.state_dir)
-    key = database_key(model, settings.criterion, options.order, own.calib.numel())
+    key = database_key(model, own.calibration_batches(8), settings.criterion, options.order,
+                       settings.reconstruct_ridge)
     db = load_database(state_dir / f"levels_{options.order}.pt", model, key)
     if db is None:
         p.error(f"--state-dir {state_dir} holds no levels database of this model, criterion {settings.criterion}, "

@@ -18,6 +18,7 @@ from prunelight.allocation.search import (
     LevelSpace,
     SearchOptions,
     auto_fitness_folds,
+    auto_generations,
     counts_of,
     evolve,
     finish,
@@ -157,8 +158,21 @@ def test_the_defaults_are_the_search_on_obs_levels_and_measured_block_removal():
     s = PruneSettings()
     assert s.allocation == "search" and s.reconstruct == "least_squares" and s.block_importance == "removal"
     opts = s.allocation_options
-    assert (opts.order, opts.generations, opts.offspring, opts.stages, opts.survivors) == ("obs", 12, 8, (2, 8, 32),
-                                                                                        (8, 2, 1))
+    assert (opts.order, opts.generations, opts.offspring, opts.stages, opts.survivors) == ("obs", "auto", 8,
+                                                                                        (2, 8, 32), (8, 2, 1))
+
+
+@pytest.mark.parametrize("ratio, generations", [(0.1, 12), (0.2, 12), (0.3, 18), (0.5, 30)])
+def test_generations_auto_grows_with_the_share_of_parameters_removed(tmp_path, ratio, generations):
+    """12 generations up to a 20% cut, then 12 per 20%; run_search resolves the count before the search, runs that
+    many generations and records the count."""
+    model, settings, budget, scores, _ = _setup(ratio)
+    assert auto_generations(budget) == generations
+    assert budget.target / budget.total == pytest.approx(ratio, abs=0.01)
+    opts = SearchOptions(offspring=1, stages=(2,), survivors=(1,), mlp_levels=8, fitness_folds=1, cut_ridge="fixed")
+    _, res, _, _ = run_search(model, _batches(), budget, scores, settings, opts, state_dir=tmp_path)
+    assert res.generations == generations == res.as_dict()["generations"]
+    assert [t["generation"] for t in res.trajectory] == list(range(generations + 1))
 
 
 def test_kl_top_k_auto_keeps_the_whole_distribution_while_it_fits_in_a_gibibyte():
@@ -194,6 +208,35 @@ def test_search_is_never_worse_than_its_seeds_and_meets_the_budget(tmp_path, fol
     assert opts.order == "obs" and db.repair == "least_squares" == settings.reconstruct  # the defaults
     assert (tmp_path / "levels_obs.pt").is_file()
     assert (tmp_path / f"search_state_obs-least_squares_{budget.target}.pt").is_file()
+
+
+def test_a_saved_database_is_reused_only_for_the_same_model_ridge_and_calibration_text(tmp_path, monkeypatch):
+    """The database's key holds what its Grams and orders depend on: the same run reads it back; other calibration
+    text of the same size, another ridge (OBS's order is chosen with it) or a changed weight deep in the model
+    rebuild it instead of silently reusing stale Grams."""
+    model, settings, budget, scores, _ = _setup()
+    opts = SearchOptions(generations=0, stages=(4,), survivors=(1,), mlp_levels=8, fitness_folds=1,
+                         cut_ridge="fixed")
+    built = []
+    real = search_mod.build_database
+    monkeypatch.setattr(search_mod, "build_database", lambda *a, **k: built.append(1) or real(*a, **k))
+    other_ridge = settings_of(0.2, reconstruct="least_squares", reconstruct_ridge=0.1)
+
+    def run(batches, s=settings):
+        n = len(built)
+        _, _, db, _ = run_search(model, batches, budget, scores, s, opts, state_dir=tmp_path)
+        return len(built) > n, db
+
+    assert run(_batches())[0]
+    assert not run(_batches())[0]  # the same model, ridge and tokens: read back
+    assert not run(list(reversed(_batches())))[0]  # the Grams are sums: the sequences' order does not matter
+    assert run(_batches(seed=4))[0]  # other text of the same size
+    rebuilt, db = run(_batches(seed=4), other_ridge)
+    assert rebuilt and db.ridge == 0.1 and db.key["ridge"] == 0.1
+    assert not run(_batches(seed=4), other_ridge)[0]
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight[0, 0] += 1.0  # the last layer's inputs to down_proj change
+    assert run(_batches(seed=4), other_ridge)[0]
 
 
 def test_fitness_folds_auto_cross_fits_when_the_fold_copies_fit_in_memory(monkeypatch):
@@ -279,6 +322,9 @@ def test_finish_lands_within_one_channel():
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="generations=-1"):
         SearchOptions(generations=-1)
+    for bad in ("many", True, 2.5):
+        with pytest.raises(ValueError, match="an integer >= 0 or auto"):
+            SearchOptions(generations=bad)
     with pytest.raises(ValueError, match="stages"):
         SearchOptions(stages=(8, 2), survivors=(4, 1))
     with pytest.raises(ValueError, match="order='x'"):

@@ -76,14 +76,22 @@ AUTO_TOP_K = 256
 # beside the model and the database on an 80 GB GPU, SmolLM2's 2 x 0.3 GB fit anywhere.
 AUTO_FOLDS = 2
 AUTO_FOLDS_MEMORY_SHARE = 0.5
+# generations: auto gives the search a budget in proportion to how much it cuts: a level move shifts one group or one
+# MLP grid step, so a deeper cut has proportionally more of them to place. 12 per 20% is the budget that keeps the
+# default 20% cut of SmolLM2 within 10 minutes on 2 CPU cores.
+AUTO_GENERATIONS = 12
+AUTO_GENERATIONS_PER = 0.2
 
 
 @dataclass(frozen=True)
 class SearchOptions:
     """Options of `prune.allocation: search` (`prune.allocation_args`)."""
 
-    generations: int = 12
-    """Generations of the (1 + λ) search."""
+    generations: int | str = "auto"
+    """Generations of the (1 + λ) search. "auto": AUTO_GENERATIONS per AUTO_GENERATIONS_PER of the parameters removed,
+    at least AUTO_GENERATIONS (12 up to a 20% cut, 18 at 30%, 30 at 50%: `auto_generations`); plan.meta.search
+    records the count. Deeper cuts start further from the best plan (more levels to move between sub-blocks): on
+    SmolLM2 twice the generations at 30% gave 1.555x against 1.598x, still improving (docs/benchmarks.md)."""
     offspring: int = 8
     """λ: candidates per generation, each a few level moves away from the best so far."""
     stages: tuple[int, ...] = (2, 8, 32)
@@ -139,7 +147,7 @@ class SearchOptions:
     prune.importance_batches sequences), so the search is never worse than the default on calibration KL."""
     state_dir: str | None = None
     """A folder for the levels database and the resumable search state (None: the run's output folder; the
-    database is kept per model, criterion, order and calibration size, so it serves every ratio)."""
+    database is kept per model, criterion, order, ridge and calibration tokens, so it serves every ratio)."""
     kl_top_k: int | str | None = "auto"
     """null: the KL over the whole next-token distribution (the dense log-probabilities are kept: sequences x length
     x vocabulary x 4 B, 17 GB for 16 x 2048 tokens of a 128k vocabulary); k: over the dense model's k most likely
@@ -166,11 +174,13 @@ class SearchOptions:
         folds = self.fitness_folds
         if folds != "auto" and (isinstance(folds, bool) or not isinstance(folds, int) or folds < 1):
             raise ValueError(f"prune.allocation_args.fitness_folds={folds!r} is not allowed: an integer >= 1 or auto")
-        for name in ("generations", "offspring", "moves", "mlp_levels", "cv_sequences", "restarts"):
+        gens = self.generations
+        if gens != "auto" and (isinstance(gens, bool) or not isinstance(gens, int) or gens < 0):
+            raise ValueError(f"prune.allocation_args.generations={gens!r} is not allowed: an integer >= 0 or auto")
+        for name in ("offspring", "moves", "mlp_levels", "cv_sequences", "restarts"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "generations" else 1):
-                raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= "
-                                 f"{0 if name == 'generations' else 1}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"prune.allocation_args.{name}={v!r} is not allowed: an integer >= 1")
         stages, surv = tuple(self.stages), tuple(self.survivors)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "survivors", surv)
@@ -433,6 +443,13 @@ def auto_fitness_folds(db: LevelsDatabase, sequences: int, reduce_sum: ReduceSum
     return folds
 
 
+def auto_generations(budget: Budget) -> int:
+    """`generations: auto`: AUTO_GENERATIONS per AUTO_GENERATIONS_PER of the model's parameters removed, at least
+    AUTO_GENERATIONS."""
+    removed = budget.target / budget.total if budget.total else 0.0
+    return max(AUTO_GENERATIONS, round(AUTO_GENERATIONS * removed / AUTO_GENERATIONS_PER))
+
+
 def without_sequences(model: nn.Module, db: LevelsDatabase, rows: torch.Tensor, batch: int,
                       reduce_sum: ReduceSum | None = None) -> LevelsDatabase:
     """The database refitted without `rows`: the same orders, each Gram less those sequences' (summed over ranks)."""
@@ -494,12 +511,14 @@ class SearchResult:
     ridge_cv: dict[str, Any] = field(default_factory=dict)  # the cut's ridge and how it was chosen
     restarts: dict[str, float] = field(default_factory=dict)  # with restarts: "seed=s" -> its calibration KL
     fitness_folds: int = 1  # folds of the cross-fitted fitness (1: in-sample refits)
+    generations: int = 0  # generations the search ran to (the resolved `generations`)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able summary."""
         out = {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
-               "repair": self.repair, "ridge_cv": self.ridge_cv, "fitness_folds": self.fitness_folds}
+               "repair": self.repair, "ridge_cv": self.ridge_cv, "fitness_folds": self.fitness_folds,
+               "generations": self.generations}
         if self.restarts:
             out["restarts_kl"] = self.restarts
         return out
@@ -701,10 +720,8 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     repair = repair_for(options.order, settings.reconstruct)
     if db is None:
         path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
-        tokens = sum(b.numel() for b in batches)
-        if reduce_sum is not None:
-            tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
-        key = database_key(model, settings.criterion, options.order, tokens)
+        key = database_key(model, list(batches), settings.criterion, options.order, settings.reconstruct_ridge,
+                           reduce_sum)
         db = load_database(path, model, key, repair) if path is not None else None
         if db is None:
             db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
@@ -718,6 +735,10 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     t_fit = time.perf_counter()
     if options.fitness_folds == "auto":  # resolved before the search: the state's key holds the count
         options = dataclasses.replace(options, fitness_folds=auto_fitness_folds(db, rows.shape[0], reduce_sum))
+    if options.generations == "auto":  # likewise
+        options = dataclasses.replace(options, generations=auto_generations(budget))
+        log.info("allocation search: generations auto -> %d (%.0f%% of the parameters removed)",
+                 options.generations, 100 * budget.target / max(budget.total, 1))
     fitness = (CrossFitKL(model, db, rows, options.fitness_folds, batch, reduce_sum, top_k)
                if options.fitness_folds > 1
                else KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k))
@@ -754,6 +775,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     result.forwards = fitness.forwards
     result.kl_top_k, result.repair = top_k, db.repair
     result.fitness_folds = len(fitness.parts) if isinstance(fitness, CrossFitKL) else 1
+    result.generations = options.generations
     del fitness  # its dense log-probabilities
     if options.cut_ridge == "cv":
         alternatives: dict[str, tuple[Levels, float]] = {}  # name -> levels and calibration KL
