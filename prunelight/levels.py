@@ -136,13 +136,18 @@ def output_fishers(model: nn.Module, batches: list[torch.Tensor], reduce_sum: Re
     return fishers
 
 
+def sequence_crc(ids: torch.Tensor, seed: int = 0) -> int:
+    """A 32-bit CRC of one sequence's token ids: the same on any rank, in any batch and in any order of sequences."""
+    return zlib.crc32(ids.detach().to("cpu", torch.int64).numpy().tobytes(), seed)
+
+
 def sampled_labels(ids: torch.Tensor, logits: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """One label per position drawn from softmax(logits) [rows, positions, vocab], each row with a generator seeded by
     its own tokens, so a sequence gets the same labels on any rank and in any batch (DDP equals one process)."""
     out = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
     for r in range(logits.shape[0]):
         # A 32-bit key: the CPU generator keeps only the low 32 bits of a seed, so seed enters the hash instead.
-        key = zlib.crc32(ids[r].detach().to("cpu", torch.int64).numpy().tobytes(), seed)
+        key = sequence_crc(ids[r], seed)
         gen = torch.Generator(device=logits.device).manual_seed(key)
         out[r] = torch.multinomial(logits[r].softmax(-1), 1, generator=gen).squeeze(1)
     return out
@@ -293,10 +298,9 @@ def _weights_fingerprint(model: nn.Module) -> float:
 
 
 def _tokens_fingerprint(batches: list[torch.Tensor]) -> float:
-    """Sum over sequences of a 32-bit CRC of each one's token ids: the Grams do not depend on the sequences' order,
-    neither does this, and a sum of per-rank values is exact in fp64 up to 2**21 sequences."""
-    return float(sum(zlib.crc32(row.to(torch.int64).cpu().numpy().tobytes())
-                     for b in batches for row in b.reshape(-1, b.shape[-1])))
+    """Sum over sequences of `sequence_crc`: the Grams do not depend on the sequences' order, neither does this, and
+    a sum of per-rank values is exact in fp64 up to 2**21 sequences."""
+    return float(sum(sequence_crc(row) for b in batches for row in b.reshape(-1, b.shape[-1])))
 
 
 def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
@@ -313,9 +317,11 @@ def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
 
 def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitScores, limits: dict[str, list[int]],
                    order: str = "criterion", ridge: float = 1e-2, criterion: str = "",
-                   reduce_sum: ReduceSum | None = None, repair: str = "least_squares") -> LevelsDatabase:
+                   reduce_sum: ReduceSum | None = None, repair: str = "least_squares",
+                   key: dict[str, Any] | None = None) -> LevelsDatabase:
     """Grams from one dense pass (summed over ranks with `reduce_sum`, so every rank holds the same database), then
-    each sub-block's removal order up to `limits[kind][layer]` units."""
+    each sub-block's removal order up to `limits[kind][layer]` units. `key`: its `database_key`, when the caller
+    has it already (computed here otherwise)."""
     import time
 
     if order not in ORDERS:
@@ -338,8 +344,9 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
             s = scores[kind][i].float()
             seq = sorted(range(n), key=lambda j: (float(s[j]), j))[:lim]
         blocks[(kind, i)] = SubBlock(list(seq), cols, g, w)
-    db = LevelsDatabase(blocks, order, ridge, tokens, database_key(model, batches, criterion, order, ridge, reduce_sum),
-                        repair=repair)
+    if key is None:
+        key = database_key(model, batches, criterion, order, ridge, reduce_sum)
+    db = LevelsDatabase(blocks, order, ridge, tokens, key, repair=repair)
     db.build_s = time.perf_counter() - t0
     return db
 

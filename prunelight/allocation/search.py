@@ -725,7 +725,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         db = load_database(path, model, key, repair) if path is not None else None
         if db is None:
             db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
-                                settings.reconstruct_ridge, settings.criterion, reduce_sum, repair)
+                                settings.reconstruct_ridge, settings.criterion, reduce_sum, repair, key)
             if path is not None:
                 db.save(path)
     t_db = time.perf_counter() - t0
