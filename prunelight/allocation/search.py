@@ -447,7 +447,10 @@ def auto_generations(budget: Budget) -> int:
     """`generations: auto`: AUTO_GENERATIONS per AUTO_GENERATIONS_PER of the model's parameters removed, at least
     AUTO_GENERATIONS."""
     removed = budget.target / budget.total if budget.total else 0.0
-    return max(AUTO_GENERATIONS, round(AUTO_GENERATIONS * removed / AUTO_GENERATIONS_PER))
+    generations = max(AUTO_GENERATIONS, round(AUTO_GENERATIONS * removed / AUTO_GENERATIONS_PER))
+    log.info("allocation search: generations auto -> %d (%.0f%% of the parameters removed)", generations,
+             100 * removed)
+    return generations
 
 
 def without_sequences(model: nn.Module, db: LevelsDatabase, rows: torch.Tensor, batch: int,
@@ -737,8 +740,6 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         options = dataclasses.replace(options, fitness_folds=auto_fitness_folds(db, rows.shape[0], reduce_sum))
     if options.generations == "auto":  # likewise
         options = dataclasses.replace(options, generations=auto_generations(budget))
-        log.info("allocation search: generations auto -> %d (%.0f%% of the parameters removed)",
-                 options.generations, 100 * budget.target / max(budget.total, 1))
     fitness = (CrossFitKL(model, db, rows, options.fitness_folds, batch, reduce_sum, top_k)
                if options.fitness_folds > 1
                else KLFitness(model, db, rows, reduce_sum=reduce_sum, top_k=top_k))
