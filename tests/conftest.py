@@ -16,6 +16,11 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 from prunelight.testing import FAMILIES, shared_dir, tiny_model
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run the tests marked slow first: under `pytest -n 2` they then overlap with the rest instead of ending the run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

@@ -21,6 +21,9 @@ from prunelight.pipeline import make_plan
 from prunelight.settings import PruneSettings
 from prunelight.testing import make_tiny_checkpoint, write_tiny_corpus
 
+# One group under `pytest -n`: the module-scoped torchrun jobs then run once, on one worker.
+pytestmark = pytest.mark.xdist_group("distributed")
+
 REPO = Path(__file__).resolve().parents[1]
 RATIO, SAMPLES, CAL_BATCH = 0.3, 12, 4
 

@@ -23,7 +23,8 @@ import torch
 from dist_probe import free_port
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+# One group under `pytest -n`: the module-scoped two-node jobs then run once, on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, HOLD = 6, 2, 4  # the interrupted run stops after its step-4 checkpoint
