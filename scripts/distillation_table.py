@@ -29,6 +29,8 @@ from pathlib import Path
 from prunelight.testing import shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]
+# $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
+SHARED = shared_dir() or ROOT.parent / "shared"
 SETTINGS = {  # name -> command-line options of the recovery
     "pruned": ["--model.recovery=none"],
     "ce": [],
@@ -43,11 +45,12 @@ SETTINGS = {  # name -> command-line options of the recovery
     "kl_r64": ["--model.lora.r=64", "--model.lora.alpha=128", "--model.distillation.alpha=1.0",
                "--model.distillation.temperature=1.0"],
     "ce_full": ["--model.recovery=full", "--model.learning_rate=0.0001"],
+    # the same recovery on text of the evaluation's kind: WikiText-2 valid (the calibration file, never the test
+    # file) instead of the job's general prose; how much of what recovery leaves is the text's domain
+    "ce_wikitext2": [f"--data.train.path={SHARED / 'data' / 'wikitext2' / 'valid.txt'}"],
     "kl_full": ["--model.recovery=full", "--model.learning_rate=0.0001", "--model.distillation.alpha=1.0",
                 "--model.distillation.temperature=1.0"],
 }
-# $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
-SHARED = shared_dir() or ROOT.parent / "shared"
 SUITE = """evaluation:
   ppl_datasets:
     wikitext2: {{path: {shared}/data/wikitext2/test.txt}}

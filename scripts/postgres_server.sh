@@ -33,7 +33,8 @@ install_server() {
 as_owner() {
   if [[ $(id -u) == 0 ]]; then
     id postgres >/dev/null 2>&1 || die "running as root needs the OS user 'postgres' (made by the postgresql package)"
-    runuser -u postgres -- "$@"
+    # from DIR, which it owns: its programs would otherwise complain that they cannot enter our working folder
+    (cd "$DIR" && runuser -u postgres -- "$@")
   else
     "$@"
   fi
