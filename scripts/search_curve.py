@@ -5,7 +5,8 @@ results/benchmarks/search_curve.{md,png}: the calibration KL of the best candida
 search's wall time and the calibration tokens it forwarded, per ratio, and a computed estimate for Llama-3-8B on one
 H100. The estimate scales each measured phase by its arithmetic (no GPU was measured):
 
-- fitness forwards: tokens x 2 x parameters, at an assumed sustained bf16 rate (`--gpu-tflops`);
+- fitness forwards: tokens x 2 x (decoder parameters x the share of decoder layers the row ran, the rest being kept
+  prefixes, + the output head), at an assumed sustained bf16 rate (`--gpu-tflops`);
 - the database's dense pass: the same for its calibration tokens, plus the Grams (tokens x sum of squared widths);
 - structured OBS's removal orders: removals x width^2 x 4 flops per sub-block (one Schur update each), in fp64
   (`--gpu-fp64-tflops`);
@@ -23,8 +24,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Llama-3-8B: 32 layers, hidden 4096, MLP 14336, 8 KV groups of 4 query heads, head_dim 128, vocabulary 128256.
-LLAMA3_8B = {"params": 8.03e9, "layers": 32, "hidden": 4096, "mlp": 14336, "groups": 8}
-SMOLLM2 = {"params": 134.5e6, "layers": 30, "hidden": 576, "mlp": 1536, "groups": 3}
+LLAMA3_8B = {"params": 8.03e9, "layers": 32, "hidden": 4096, "mlp": 14336, "groups": 8, "vocab": 128256, "tied": False}
+SMOLLM2 = {"params": 134.5e6, "layers": 30, "hidden": 576, "mlp": 1536, "groups": 3, "vocab": 49152, "tied": True}
+
+
+def forward_flops(m: dict, layer_share: float = 1.0) -> float:
+    """Flops per token of a forward that runs `layer_share` of the decoder layers and the whole output head."""
+    head = m["vocab"] * m["hidden"]
+    decoder = m["params"] - head * (1 if m["tied"] else 2)  # the input embedding is a lookup
+    return 2 * (decoder * layer_share + head)
+
+
+def layer_share(row: dict) -> float:
+    """The share of decoder layers the row's fitness ran (1 for rows written before kept prefixes)."""
+    s = row["search"]
+    if not s.get("layers_run") or not s.get("layers") or not s.get("forwards"):
+        return 1.0
+    return s["layers_run"] / (s["forwards"] * s["layers"])
 
 
 def search_rows(paths: list[Path]) -> list[dict]:
@@ -48,7 +64,8 @@ def obs_flops(m: dict, removed_share: float) -> float:
 def estimate(row: dict, gpu_tflops: float, fp64_tflops: float, target: dict = LLAMA3_8B) -> dict:
     """Seconds of each phase for `target` on one GPU, from the row's measured work (see the module docstring)."""
     tokens = row["search"]["forwards"] * row["seq_len"]
-    search_flops = tokens * 2 * target["params"]
+    share = layer_share(row)
+    search_flops = tokens * forward_flops(target, share)
     db_tokens = 64 * row["seq_len"]  # the database's dense pass reads the calibration set once
     db_flops = db_tokens * (2 * target["params"] + 2 * target["layers"] * (target["hidden"] ** 2 + target["mlp"] ** 2))
     obs = obs_flops(target, min(1.0, 1.5 * row["ratio"] * 1.25)) if row["row"] == "search_obs" else 0.0
@@ -56,11 +73,11 @@ def estimate(row: dict, gpu_tflops: float, fp64_tflops: float, target: dict = LL
     kept = target["mlp"] * (1 - row["ratio"])
     refit_flops = candidates * 6 * (kept ** 3 / 3 + target["hidden"] * kept ** 2)
     # the measured CPU rate of the same search on SmolLM2 (what the CPU spent per forwarded token)
-    cpu_rate = tokens * 2 * SMOLLM2["params"] / max(row["times_s"]["search"], 1e-9)
+    cpu_rate = tokens * forward_flops(SMOLLM2, share) / max(row["times_s"]["search"], 1e-9)
     return {"tokens": tokens, "search_s": search_flops / (gpu_tflops * 1e12),
             "database_s": db_flops / (gpu_tflops * 1e12) + obs / (fp64_tflops * 1e12),
             "refits_s": refit_flops / (fp64_tflops * 1e12),
-            "cpu_gflops_measured": cpu_rate / 1e9}
+            "cpu_gflops_measured": cpu_rate / 1e9, "layer_share": share}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -102,14 +119,15 @@ def main(argv: list[str] | None = None) -> None:
              f"From {', '.join(str(r) for r in args.results)}; figure: {args.out.with_suffix('.png').name}. "
              f"Estimate for Llama-3-8B on one H100 at {args.gpu_tflops:g} TFLOP/s bf16 and {args.gpu_fp64_tflops:g} "
              "TFLOP/s fp64 (computed from the work each row did, not measured).", "",
-             "| row | ratio | generations | KL: best seed -> end | tokens forwarded | search s (CPU) | "
+             "| row | ratio | generations | KL: best seed -> end | tokens forwarded | layers run | search s (CPU) | "
              "CPU GFLOP/s | 8B: database s | 8B: search forwards s | 8B: refits s (bound) |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         t = r["search"]["trajectory"]
         e = estimate(r, args.gpu_tflops, args.gpu_fp64_tflops)
         lines.append(f"| {r['row']} ({r.get('variant') or '-'}) | {r['ratio']:.0%} | {len(t) - 1} | "
-                     f"{t[0]['kl']:.4f} -> {t[-1]['kl']:.4f} | {e['tokens']:,} | {r['times_s']['search']:.0f} | "
+                     f"{t[0]['kl']:.4f} -> {t[-1]['kl']:.4f} | {e['tokens']:,} | {e['layer_share']:.0%} | "
+                     f"{r['times_s']['search']:.0f} | "
                      f"{e['cpu_gflops_measured']:.1f} | {e['database_s']:.0f} | {e['search_s']:.0f} | "
                      f"{e['refits_s']:.0f} |")
     text = "\n".join(lines) + "\n"

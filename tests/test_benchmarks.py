@@ -267,3 +267,17 @@ def test_speed_tiny_times_dense_and_pruned_models(tmp_path):
     for r in data["rows"]:
         assert r["ideal_speedup"] >= 1 and r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
     assert {m["width"] for m in data["mlp"]} == {128, 100}
+
+
+def test_search_curve_scales_the_8b_estimate_by_the_decoder_layers_the_fitness_ran():
+    curve = _script("search_curve")
+    row = {"row": "search", "ratio": 0.2, "seq_len": 128, "times_s": {"search": 100.0},
+           "search": {"forwards": 1000, "layers": 30, "layers_run": 30000, "trajectory": [{}, {}], "seeds_kl": {}}}
+    whole = curve.estimate(row, 350.0, 30.0)
+    half = curve.estimate({**row, "search": {**row["search"], "layers_run": 15000}}, 350.0, 30.0)
+    old = curve.estimate({**row, "search": {k: v for k, v in row["search"].items() if k != "layers_run"}}, 350.0, 30.0)
+    assert whole["layer_share"] == old["layer_share"] == 1.0 and half["layer_share"] == 0.5
+    m = curve.LLAMA3_8B
+    head = m["vocab"] * m["hidden"]
+    assert whole["search_s"] == pytest.approx(128_000 * 2 * (m["params"] - head) / 350e12)
+    assert half["search_s"] == pytest.approx(128_000 * 2 * ((m["params"] - 2 * head) / 2 + head) / 350e12)

@@ -29,7 +29,8 @@ from prunelight.settings import PruneSettings, SettingsError
 from prunelight.surgery import apply_plan, mask_units
 from prunelight.testing import tiny_model
 
-FAMILIES = {"llama": {}, "mistral": {}, "qwen2": dict(num_attention_heads=6, num_key_value_heads=2)}
+# Gemma-3: alternating sliding / full layers with local / global rotary embeddings, picked by the layer's index.
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": dict(num_attention_heads=6, num_key_value_heads=2), "gemma3_text": {}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

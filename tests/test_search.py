@@ -599,6 +599,8 @@ def test_benchmark_search_tiny_writes_rows_with_phase_times(tmp_path):
         rows["search"]["times_s"])
     assert "stock" in rows["search"]["search"]["seeds_kl"]  # the stock plan seeds the search
     assert "| search | 0.2 |" in (tmp_path / "s.md").read_text()
+    s = rows["search"]["search"]  # the fitness's work: kept prefixes are not run again
+    assert s["layers"] == 3 and 0 < s["layers_run"] <= s["forwards"] * s["layers"]
 
 
 def test_benchmark_search_settings_make_a_labelled_variant_of_the_defaults(tmp_path):

@@ -53,6 +53,7 @@ from prunelight.console import progress
 from prunelight.distributed import mean_over_ranks
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
+from prunelight.prefix import recorded_inputs, started_at
 
 KINDS = ("attn", "mlp")
 
@@ -107,19 +108,6 @@ def probe_slices(scores: UnitScores, budget: Budget, fraction: float | None = No
     return out
 
 
-class _Inject(nn.Module):
-    """Stands in for the decoder layers before the probed one: returns the cached input of the probed layer."""
-
-    def __init__(self, states: list[torch.Tensor], attention_type: str | None) -> None:
-        super().__init__()
-        self.states, self.batch = states, 0
-        if attention_type is not None:
-            self.attention_type = attention_type
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.states[self.batch]
-
-
 def _token_nll(base: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Summed next-token NLL (fp64) of each sequence of one batch."""
     logits = base(input_ids=ids, use_cache=False).logits.float()
@@ -138,22 +126,10 @@ def measure_probes(model: nn.Module, batches: Sequence[torch.Tensor], scores: Un
     batches = [b.to(device) for b in batches]
     if not batches:
         raise ValueError("allocation 'calibrated' needs calibration batches to measure its probes")
-    # Every layer's input per batch, from one dense pass.
-    inputs: list[list[torch.Tensor]] = [[] for _ in layers]
-
-    def keep_input(i):
-        def hook(module, args, kwargs):
-            inputs[i].append((args[0] if args else kwargs["hidden_states"]).detach())
-        return hook
-
     was_training = base.training
     base.eval()
-    handles = [layer.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
+    with recorded_inputs(base) as inputs:  # every layer's input per batch, from one dense pass
         base_seq = torch.cat([_token_nll(base, ids) for ids in batches])
-    finally:
-        for h in handles:
-            h.remove()
     tokens = sum(ids[:, 1:].numel() for ids in batches)
     per_seq = tokens / base_seq.numel()  # scored tokens per sequence (all sequences have one length per batch)
     base_nll = float(base_seq.sum()) / tokens
@@ -166,19 +142,14 @@ def measure_probes(model: nn.Module, batches: Sequence[torch.Tensor], scores: Un
             removed = empty_removed(budget)
             removed[kind][i] = set(slices[kind][i])
             plan = build_plan(budget, removed)
-            inject = _Inject(inputs[i], getattr(layers[i], "attention_type", None))
-            # Masks go on the real modules first (masked() walks the full layer list), then the earlier layers
-            # are replaced by the cached input of layer i.
-            with masked(base, plan):
-                if i:  # layer 0 is run from the embeddings as usual
-                    family.set_layers(base, nn.ModuleList([inject, *list(layers)[i:]]))
-                try:
-                    seqs = []
-                    for b, ids in enumerate(batches):
-                        inject.batch = b
-                        seqs.append(_token_nll(base, ids))
-                finally:
-                    family.set_layers(base, layers)
+            # Masks go on the real modules first (masked() walks the full layer list), then the layers before i
+            # stand aside and layer i starts from its cached input.
+            with masked(base, plan), started_at(base, i) as start:
+                seqs = []
+                for b, ids in enumerate(batches):
+                    if start is not None:
+                        start.state = inputs[i][b]
+                    seqs.append(_token_nll(base, ids))
             # Paired per-sequence differences: the same text with and without the slice.
             diff = (torch.cat(seqs) - base_seq) / per_seq
             loss[kind][i] = float(diff.sum()) * per_seq / tokens

@@ -33,6 +33,7 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ from prunelight.levels import (
     load_database,
     repair_for,
 )
+from prunelight.prefix import recorded_inputs, started_at
 from prunelight.reconstruct import ReduceSum, output_proj
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,10 @@ AUTO_FOLDS_MEMORY_SHARE = 0.5
 # default 20% cut of SmolLM2 within 10 minutes on 2 CPU cores.
 AUTO_GENERATIONS = 12
 AUTO_GENERATIONS_PER = 0.2
+# The fitness keeps every layer's input for 2 candidates scored on all its sequences (the best, which is the search's
+# parent, and the newest), in at most a quarter of the free memory: SmolLM2, 16 x 128 tokens per fold, 2 x 0.14 GB.
+PREFIX_ENTRIES = 2
+PREFIX_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -351,7 +357,8 @@ class KLFitness:
     """
 
     def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, batch: int = 8,
-                 reduce_sum: ReduceSum | None = None, top_k: int | None = None) -> None:
+                 reduce_sum: ReduceSum | None = None, top_k: int | None = None,
+                 prefix_entries: int | None = None) -> None:
         self.base = unwrap(model)
         self.reduce_sum = reduce_sum  # under DDP: each rank scores its own sequences, the KL is their pooled mean
         self.family = get_family(self.base)
@@ -363,10 +370,29 @@ class KLFitness:
                       if (k, i) in db.blocks}
         self.dense_w = {key: p.weight.data for key, p in self.projs.items()}
         self.top_k = top_k
+        self.n_layers = len(self.family.layers(self.base))
         with torch.no_grad():
             # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
             self.dense = [self._dense(self._logp(chunk)) for chunk in torch.split(self.seqs, batch)]
         self.forwards = 0  # sequences run
+        self.layers_run = 0  # decoder layers run, summed over sequences (forwards x layers without the prefixes)
+        # Candidates scored on every sequence keep each decoder layer's input. Offspring differ from their parent
+        # in a few sub-blocks, so each runs from its first layer that differs from a kept candidate. The one of
+        # least KL (the search's parent) is never dropped; of the others the least recently used goes first.
+        self.prefix_entries = prefix_entries if prefix_entries is not None else self._prefix_entries()
+        self.kept: OrderedDict[tuple, tuple[float, list[list[torch.Tensor]]]] = OrderedDict()
+
+    def _prefix_entries(self) -> int:
+        """PREFIX_ENTRIES when that many copies of every layer's input fit in PREFIX_MEMORY_SHARE of the free
+        memory on every rank (ranks must run the same layers), else 0 (every candidate runs every layer)."""
+        hidden = int(self.base.get_input_embeddings().weight.shape[1])
+        dtype = next(self.base.parameters()).dtype
+        need = PREFIX_ENTRIES * self.seqs.numel() * hidden * self.n_layers * torch.finfo(dtype).bits // 8
+        free = free_memory(self.device)
+        fits = free is not None and need <= PREFIX_MEMORY_SHARE * free
+        if self.reduce_sum is not None:
+            fits = float(self.reduce_sum(torch.tensor([0.0 if fits else 1.0], dtype=torch.float64))[0]) == 0.0
+        return PREFIX_ENTRIES if fits else 0
 
     def _dense(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What is kept of the dense log-probabilities: all of them (indices None), or the top k and their indices."""
@@ -389,31 +415,66 @@ class KLFitness:
         logits = self.base(input_ids=ids, use_cache=False).logits
         return F.log_softmax(logits[:, :-1].float(), dim=-1)
 
+    def _start(self, key: tuple) -> tuple[int, list[list[torch.Tensor]] | None]:
+        """The first layer to run for the candidate `key` and the kept inputs it starts from (0, None: all)."""
+        best, source = 0, None
+        for kept_key in self.kept:
+            if kept_key[0] != key[0]:  # refitted another way: no layer's output is known
+                continue
+            same = next((i for i, (a, b) in enumerate(zip(key[1], kept_key[1])) if a != b), self.n_layers)
+            start = min(same, self.n_layers - 1)  # the same candidate still runs its last layer
+            if start > best:
+                best, source = start, kept_key
+        if source is None:
+            return 0, None
+        self.kept.move_to_end(source)
+        return best, self.kept[source][1]
+
+    def _keep(self, key: tuple, kl: float, states: list[list[torch.Tensor]]) -> None:
+        """Keep a candidate's layer inputs; past `prefix_entries`, drop the least recently used but the best."""
+        self.kept[key] = (kl, states)
+        self.kept.move_to_end(key)
+        while len(self.kept) > self.prefix_entries:
+            best = min(self.kept, key=lambda k: self.kept[k][0])
+            del self.kept[next(k for k in self.kept if k != best)]
+
     @torch.no_grad()
     def __call__(self, levels: Levels, n: int) -> float:
         """KL on the first `n` sequences with the assignment's weights swapped in (the dense ones restored after)."""
         was = self.base.training
         self.base.eval()
+        # The refits' ridge and kind, then per layer the levels: the first layer that differs is where a run starts.
+        key = ((self.db.ridge, self.db.repair), tuple(zip(levels["attn"], levels["mlp"])))
+        start, source = self._start(key) if self.prefix_entries else (0, None)
+        keep = self.prefix_entries > 0 and n >= self.seqs.shape[0]
         try:
             for (kind, i), proj in self.projs.items():
                 r = levels[kind][i]
                 if r:
                     proj.weight.data = self.db.weight_at(kind, i, r).to(proj.weight.dtype)
             total, tokens = 0.0, 0
-            for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
-                logp = self._logp(chunk)
-                top, idx = self.dense[b]
-                rows = chunk.shape[0]  # the last chunk may hold fewer sequences than the dense one kept
-                total += self._kl(top[:rows], None if idx is None else idx[:rows], logp)
-                tokens += logp.shape[0] * logp.shape[1]
-                self.forwards += chunk.shape[0]
+            with started_at(self.base, start) as stand, recorded_inputs(self.base, start if keep else
+                                                                        self.n_layers) as inputs:
+                for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
+                    rows = chunk.shape[0]  # the last chunk may hold fewer sequences than the dense one kept
+                    if stand is not None:
+                        stand.state = source[start][b][:rows]
+                    logp = self._logp(chunk)
+                    top, idx = self.dense[b]
+                    total += self._kl(top[:rows], None if idx is None else idx[:rows], logp)
+                    tokens += logp.shape[0] * logp.shape[1]
+                    self.forwards += rows
+                    self.layers_run += rows * (self.n_layers - start)
             if self.reduce_sum is not None:
                 t = self.reduce_sum(torch.tensor([total, float(tokens)], dtype=torch.float64)).cpu()
                 total, tokens = float(t[0]), int(t[1])
-            return total / max(tokens, 1)
+            kl = total / max(tokens, 1)
+            if keep:
+                self._keep(key, kl, [source[i] if i < start else inputs[i] for i in range(self.n_layers)])
+            return kl
         finally:
-            for key, proj in self.projs.items():
-                proj.weight.data = self.dense_w[key]
+            for key_, proj in self.projs.items():
+                proj.weight.data = self.dense_w[key_]
             self.base.train(was)
 
 
@@ -485,6 +546,11 @@ class CrossFitKL:
         """Calibration sequences run by every fold."""
         return sum(p.forwards for p in self.parts)
 
+    @property
+    def layers_run(self) -> int:
+        """Decoder layers run by every fold, summed over sequences."""
+        return sum(p.layers_run for p in self.parts)
+
     def __call__(self, levels: Levels, n: int) -> float:
         """Mean KL on the first `n` sequences, each fold's with its own refits (rows of equal length)."""
         total, left = 0.0, n
@@ -509,6 +575,8 @@ class SearchResult:
     times_s: dict[str, float] = field(default_factory=dict)
     step: int = 0
     forwards: int = 0  # calibration sequences run by the fitness
+    layers_run: int = 0  # decoder layers those forwards ran (a kept prefix is not run again)
+    layers: int = 0  # decoder layers of the model
     kl_top_k: int | None = None  # the k the fitness used (None: the whole distribution)
     repair: str = "least_squares"  # the levels' refit (the database's)
     ridge_cv: dict[str, Any] = field(default_factory=dict)  # the cut's ridge and how it was chosen
@@ -521,7 +589,7 @@ class SearchResult:
         out = {"kl": self.kl, "seeds_kl": self.seeds, "trajectory": self.trajectory, "times_s": self.times_s,
                "mlp_step": self.step, "levels": self.levels, "forwards": self.forwards, "kl_top_k": self.kl_top_k,
                "repair": self.repair, "ridge_cv": self.ridge_cv, "fitness_folds": self.fitness_folds,
-               "generations": self.generations}
+               "generations": self.generations, "layers_run": self.layers_run, "layers": self.layers}
         if self.restarts:
             out["restarts_kl"] = self.restarts
         return out
@@ -773,7 +841,11 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         if len(runs) > 1:
             result.restarts = {name: x.kl for name, x in runs.items()}
     result.times_s = {"database": t_db, "fitness": t_fit, "search": result.times_s["search"]}
-    result.forwards = fitness.forwards
+    result.forwards, result.layers_run = fitness.forwards, fitness.layers_run
+    result.layers = len(get_family(unwrap(model)).layers(unwrap(model)))
+    if result.forwards:
+        log.info("allocation search: %d sequence forwards ran %.0f%% of their decoder layers (the rest were kept "
+                 "prefixes)", result.forwards, 100 * result.layers_run / (result.forwards * result.layers))
     result.kl_top_k, result.repair = top_k, db.repair
     result.fitness_folds = len(fitness.parts) if isinstance(fitness, CrossFitKL) else 1
     result.generations = options.generations
