@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     md = [f"# search: top-k KL against the full KL on {out['meta']['model']}", "",
           f"{len(cands)} level assignments at {args.ratio:.0%} (the seeds uniform and global, then equal-cost moves "
           f"from them), each scored on the same {n} x {args.seq_len} calibration tokens of WikiText-2 valid; "
-          f"vocabulary {vocab}. The full KL keeps {out['full']['memory_mb']:.0f} MB of dense log-probabilities "
-          f"here (Llama-3, 128k vocabulary, 16 x 2048 tokens: 17 GB).", "",
+          f"vocabulary {vocab}. The full KL from stored dense log-probabilities keeps {out['full']['memory_mb']:.0f} MB "
+          f"here (Llama-3, 128k vocabulary, 16 x 2048 tokens: 17 GB; a float32 linear head needs none of it).", "",
           "| k | top-k / full KL (min..max) | Spearman over candidates | same best | memory (MB) |",
           "|---:|---|---:|---|---:|"]
     for r in out["top_k"]:

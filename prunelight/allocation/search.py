@@ -68,7 +68,8 @@ from prunelight.reconstruct import ReduceSum, output_proj
 log = logging.getLogger(__name__)
 KINDS = ("attn", "mlp")
 Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups; mlp: channels, a multiple of step)
-# kl_top_k: auto keeps the whole dense distribution up to 1 GiB (SmolLM2's 49k vocabulary, 32 x 128 tokens: 0.8 GB);
+# kl_top_k: auto takes the whole distribution with a float32 linear head (exact from W^T p, hidden-size floats per
+# token), else keeps the whole dense distribution up to 1 GiB (SmolLM2's 49k vocabulary, 32 x 128 tokens: 0.8 GB);
 # beyond it the top 256, which ranked 12 candidates as the full KL did on SmolLM2 (Spearman 0.993, same best;
 # results/benchmarks/search_kl_top_k.md) in 2 KB per token.
 AUTO_FULL_KL_BYTES = 1 << 30
@@ -84,7 +85,8 @@ AUTO_FOLDS_MEMORY_SHARE = 0.5
 AUTO_GENERATIONS = 12
 AUTO_GENERATIONS_PER = 0.2
 # The fitness keeps every layer's input for 2 candidates scored on all its sequences (the best, which is the search's
-# parent, and the newest), in at most a quarter of the free memory: SmolLM2, 16 x 128 tokens per fold, 2 x 0.14 GB.
+# parent, and the newest) where they fit in a quarter of the memory free when it is set up (each fold checks its own;
+# SmolLM2, 16 x 128 tokens per fold: 2 x 0.14 GB; Llama-3-8B, 16 x 2048 tokens in bf16: 2 x 8.6 GB).
 PREFIX_ENTRIES = 2
 PREFIX_MEMORY_SHARE = 0.25
 
@@ -155,10 +157,11 @@ class SearchOptions:
     """A folder for the levels database and the resumable search state (None: the run's output folder; the
     database is kept per model, criterion, order, ridge and calibration tokens, so it serves every ratio)."""
     kl_top_k: int | str | None = "auto"
-    """null: the KL over the whole next-token distribution (the dense log-probabilities are kept: sequences x length
-    x vocabulary x 4 B, 17 GB for 16 x 2048 tokens of a 128k vocabulary); k: over the dense model's k most likely
-    tokens at each position plus one bucket for all the others (k x 8 B per token; a lower bound of the full KL,
-    equal to it when k is the vocabulary); "auto": the whole distribution when it fits in 1 GiB, else k = 256
+    """null: the KL over the whole next-token distribution (with a float32 linear head, exact from hidden-size floats
+    per token; otherwise the dense log-probabilities are kept: sequences x length x vocabulary x 4 B, 17 GB for
+    16 x 2048 tokens of a 128k vocabulary); k: over the dense model's k most likely tokens at each position plus one
+    bucket for all the others (k x 8 B per token; a lower bound of the full KL, equal to it when k is the
+    vocabulary); "auto": the whole distribution with a float32 linear head or when it fits in 1 GiB, else k = 256
     (`top_k_for`)."""
 
     def __post_init__(self) -> None:
@@ -207,10 +210,13 @@ class SearchOptions:
                                  "per layer, {attn: [[group, ...], ...], mlp: [[channel, ...], ...]}")
         object.__setattr__(self, "seeds", seeds)
 
-    def top_k_for(self, sequences: int, length: int, vocab: int) -> int | None:
-        """The k the fitness uses for `sequences` x `length` tokens over `vocab` (None: the whole distribution)."""
+    def top_k_for(self, sequences: int, length: int, vocab: int, linear: bool = False) -> int | None:
+        """The k the fitness uses for `sequences` x `length` tokens over `vocab` (None: the whole distribution);
+        `linear`: the model has a float32 linear head, whose whole-distribution KL needs no vocabulary-wide copy."""
         if self.kl_top_k != "auto":
             return self.kl_top_k
+        if linear:
+            return None
         full = sequences * max(length - 1, 1) * vocab * 4
         return None if full <= AUTO_FULL_KL_BYTES else min(AUTO_TOP_K, vocab)
 
@@ -371,9 +377,11 @@ class KLFitness:
         self.dense_w = {key: p.weight.data for key, p in self.projs.items()}
         self.top_k = top_k
         self.n_layers = len(self.family.layers(self.base))
+        self.decoder = self.base.get_decoder()
+        self.head = self.family.logits_head(self.base)
+        self.linear = top_k is None and linear_head(self.base)
         with torch.no_grad():
-            # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
-            self.dense = [self._dense(self._logp(chunk)) for chunk in torch.split(self.seqs, batch)]
+            self.dense = [self._dense(self._hidden(chunk)) for chunk in torch.split(self.seqs, batch)]
         self.forwards = 0  # sequences run
         self.layers_run = 0  # decoder layers run, summed over sequences (forwards x layers without the prefixes)
         # Candidates scored on every sequence keep each decoder layer's input. Offspring differ from their parent
@@ -394,11 +402,30 @@ class KLFitness:
             fits = float(self.reduce_sum(torch.tensor([0.0 if fits else 1.0], dtype=torch.float64))[0]) == 0.0
         return PREFIX_ENTRIES if fits else 0
 
-    def _dense(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What is kept of the dense log-probabilities: all of them (indices None), or the top k and their indices."""
+    def _dense(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What is kept of the dense next-token distributions of one batch: with a linear head, per position the
+        hidden state h, logsumexp(z) and W^T p; else all log-probabilities (indices None) or the top k and their
+        indices."""
+        # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
+        logits = self.head(hidden).float()
+        if self.linear:
+            lse = torch.logsumexp(logits, dim=-1)
+            p = (logits - lse.unsqueeze(-1)).exp_()
+            return hidden, lse, p @ self.base.get_output_embeddings().weight
+        logp = F.log_softmax(logits, dim=-1)
         if self.top_k is None or self.top_k >= logp.shape[-1]:
             return logp, None
         return logp.topk(self.top_k, dim=-1)
+
+    def _linear_kl(self, dense: tuple[torch.Tensor, ...], hidden: torch.Tensor) -> float:
+        """Summed KL(dense || candidate) over one batch's positions with a linear head z = W h + b: per position
+        sum_v p (log p - log q) = lse(z_c) - lse(z_d) - (h_c - h_d) . W^T p (the bias cancels), where the dense side
+        is kept as h_d, lse(z_d) and W^T p; the differences keep it exact to float32 for near-dense candidates."""
+        rows = hidden.shape[0]
+        h_d, lse_d, wp = (t[:rows] for t in dense)
+        lse = torch.logsumexp(self.head(hidden).float(), dim=-1)
+        kl = (lse - lse_d).double() - ((hidden.float() - h_d) * wp).sum(-1).double()
+        return float(kl.sum())
 
     @staticmethod
     def _kl(top: torch.Tensor, idx: torch.Tensor | None, logp: torch.Tensor) -> float:
@@ -411,9 +438,9 @@ class KLFitness:
         rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-30).log() - q_rest.log()), 0.0)
         return float((top.exp() * (top - q)).sum()) + float(rest.sum())
 
-    def _logp(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.base(input_ids=ids, use_cache=False).logits
-        return F.log_softmax(logits[:, :-1].float(), dim=-1)
+    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's last hidden states at every position that predicts a next token."""
+        return self.decoder(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
 
     def _start(self, key: tuple) -> tuple[int, list[list[torch.Tensor]] | None]:
         """The first layer to run for the candidate `key` and the kept inputs it starts from (0, None: all)."""
@@ -459,10 +486,14 @@ class KLFitness:
                     rows = chunk.shape[0]  # the last chunk may hold fewer sequences than the dense one kept
                     if stand is not None:
                         stand.state = source[start][b][:rows]
-                    logp = self._logp(chunk)
-                    top, idx = self.dense[b]
-                    total += self._kl(top[:rows], None if idx is None else idx[:rows], logp)
-                    tokens += logp.shape[0] * logp.shape[1]
+                    hidden = self._hidden(chunk)
+                    if self.linear:
+                        total += self._linear_kl(self.dense[b], hidden)
+                    else:
+                        top, idx = self.dense[b]
+                        logp = F.log_softmax(self.head(hidden).float(), dim=-1)
+                        total += self._kl(top[:rows], None if idx is None else idx[:rows], logp)
+                    tokens += hidden.shape[0] * hidden.shape[1]
                     self.forwards += rows
                     self.layers_run += rows * (self.n_layers - start)
             if self.reduce_sum is not None:
@@ -476,6 +507,15 @@ class KLFitness:
             for key_, proj in self.projs.items():
                 proj.weight.data = self.dense_w[key_]
             self.base.train(was)
+
+
+def linear_head(model: nn.Module) -> bool:
+    """Whether the logits are the float32 LM head's output itself (no soft cap): the fitness's exact KL then keeps
+    hidden-size floats per token instead of the vocabulary's (`KLFitness._linear_kl`)."""
+    base = unwrap(model)
+    head = base.get_output_embeddings()
+    return (get_family(base).logit_softcap(base.config) is None and isinstance(head, nn.Linear)
+            and head.weight.dtype == torch.float32)
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -801,7 +841,8 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
                 db.save(path)
     t_db = time.perf_counter() - t0
     rows = calibration_rows(batches, options.stages[-1])
-    top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).get_output_embeddings().weight.shape[0]))
+    top_k = options.top_k_for(rows.shape[0], rows.shape[1], int(unwrap(model).get_output_embeddings().weight.shape[0]),
+                              linear_head(model))
     batch = int(batches[0].shape[0])
     t_fit = time.perf_counter()
     if options.fitness_folds == "auto":  # resolved before the search: the state's key holds the count
