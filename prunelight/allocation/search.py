@@ -474,14 +474,14 @@ class KLFitness:
         key = ((self.db.ridge, self.db.repair), tuple(zip(levels["attn"], levels["mlp"])))
         start, source = self._start(key) if self.prefix_entries else (0, None)
         keep = self.prefix_entries > 0 and n >= self.seqs.shape[0]
+        record_from = start if keep else self.n_layers  # the layers whose inputs this run adds to the kept ones
         try:
             for (kind, i), proj in self.projs.items():
                 r = levels[kind][i]
                 if r:
                     proj.weight.data = self.db.weight_at(kind, i, r).to(proj.weight.dtype)
             total, tokens = 0.0, 0
-            with started_at(self.base, start) as stand, recorded_inputs(self.base, start if keep else
-                                                                        self.n_layers) as inputs:
+            with started_at(self.base, start) as stand, recorded_inputs(self.base, record_from) as inputs:
                 for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
                     rows = chunk.shape[0]  # the last chunk may hold fewer sequences than the dense one kept
                     if stand is not None:
