@@ -422,6 +422,45 @@ def test_cut_ridge_cv_picks_the_ridge_of_least_kl_on_held_out_sequences():
     assert too_few[0] is db and too_few[1]["chosen_by"].startswith("fixed")
 
 
+def test_the_next_ridge_past_a_winning_end_of_the_grid_takes_the_grid_step_there():
+    from prunelight.allocation.search import beyond_edge
+
+    assert beyond_edge({0.01: 1.0, 0.03: 1.1, 0.1: 1.2}) == 0.00333  # 0.01 / 3, to 3 digits
+    assert beyond_edge({0.1: 1.2, 0.3: 1.1, 1.0: 1.0}) == 3.33
+    assert beyond_edge({0.01: 1.1, 0.03: 1.0, 0.1: 1.2}) is None  # the least is inside the grid
+    assert beyond_edge({0.0: 1.0, 0.1: 1.2}) is None and beyond_edge({0.0: 1.2, 0.1: 1.0}) is None  # no ratio from 0
+    assert beyond_edge({0.1: 1.0}) is None
+
+
+def test_cut_ridge_cv_goes_past_the_end_of_the_grid_while_the_held_out_kl_falls():
+    """When an end of cv_ridges wins, more ridges one grid step further are measured (as an independent database
+    fitted on the other sequences measures them) until one is worse or CV_EDGE_STEPS are spent."""
+    from prunelight.allocation.search import CV_EDGE_STEPS, cross_validate_ridge
+
+    model, settings, budget, scores, db = _setup(order="criterion")
+    rows = torch.cat(_batches())
+    space = LevelSpace.of(budget, mlp_levels=8)
+    lv = space.snap({"attn": [1, 0, 0], "mlp": [24, 16, 8]})
+    fit = build_database(model, list(rows[:6].split(2)), scores, {k: budget.limits(k) for k in ("attn", "mlp")},
+                         "criterion", settings.reconstruct_ridge)
+
+    def held_out_kl(r: float) -> float:
+        fit.set_ridge(r)
+        return KLFitness(model, fit, rows[6:])(lv, 2)
+
+    for grid, extended in (((10.0, 100.0), [1.0, 0.1]),  # 1 beats 10, then 0.1 is worse than 1: stop
+                           ((0.0001, 0.001), [0.01, 0.1, 1.0])):  # upward, each better, until the steps are spent
+        _, report = cross_validate_ridge(model, db, _batches(), lv, SearchOptions(cv_ridges=grid))
+        assert report["extended"] == pytest.approx(extended) and len(extended) <= CV_EDGE_STEPS
+        kls = {float(r): v for r, v in report["kl"].items()}
+        assert sorted(kls) == sorted([*grid, *extended])
+        for r in extended:
+            assert kls[r] == pytest.approx(held_out_kl(r), rel=1e-4)
+        assert report["chosen"] == 1.0 == min(kls, key=kls.get)
+    _, inside = cross_validate_ridge(model, db, _batches(), lv, SearchOptions(cv_ridges=(0.001, 1.0, 1000.0)))
+    assert inside["chosen"] == 1.0 and "extended" not in inside  # an inner winner: the grid is kept as it is
+
+
 def test_cut_ridge_cv_measures_the_alternatives_on_the_held_out_sequences_at_the_chosen_ridge():
     """With alternatives (cv_seed's best seed), each is measured on the held-out sequences at the chosen ridge, as
     an independent database fitted on the other sequences measures it; the plan of least held-out KL is named."""
