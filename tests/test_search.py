@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
 import pytest
@@ -432,7 +433,7 @@ def test_the_next_ridge_past_a_winning_end_of_the_grid_takes_the_grid_step_there
     assert beyond_edge({0.1: 1.0}) is None
 
 
-def test_cut_ridge_cv_goes_past_the_end_of_the_grid_while_the_held_out_kl_falls():
+def test_cut_ridge_cv_goes_past_the_end_of_the_grid_while_the_held_out_kl_falls(caplog):
     """When an end of cv_ridges wins, more ridges one grid step further are measured (as an independent database
     fitted on the other sequences measures them) until one is worse or CV_EDGE_STEPS are spent."""
     from prunelight.allocation.search import CV_EDGE_STEPS, cross_validate_ridge
@@ -448,6 +449,7 @@ def test_cut_ridge_cv_goes_past_the_end_of_the_grid_while_the_held_out_kl_falls(
         fit.set_ridge(r)
         return KLFitness(model, fit, rows[6:])(lv, 2)
 
+    caplog.set_level(logging.INFO, logger="prunelight.allocation.search")
     for grid, extended in (((10.0, 100.0), [1.0, 0.1]),  # 1 beats 10, then 0.1 is worse than 1: stop
                            ((0.0001, 0.001), [0.01, 0.1, 1.0])):  # upward, each better, until the steps are spent
         _, report = cross_validate_ridge(model, db, _batches(), lv, SearchOptions(cv_ridges=grid))
@@ -457,8 +459,11 @@ def test_cut_ridge_cv_goes_past_the_end_of_the_grid_while_the_held_out_kl_falls(
         for r in extended:
             assert kls[r] == pytest.approx(held_out_kl(r), rel=1e-4)
         assert report["chosen"] == 1.0 == min(kls, key=kls.get)
+    assert "past the end of cv_ridges: 0.01, 0.1, 1" in caplog.text  # the run's log line names them
+    caplog.clear()
     _, inside = cross_validate_ridge(model, db, _batches(), lv, SearchOptions(cv_ridges=(0.001, 1.0, 1000.0)))
     assert inside["chosen"] == 1.0 and "extended" not in inside  # an inner winner: the grid is kept as it is
+    assert "cut ridge" in caplog.text and "past the end" not in caplog.text
 
 
 def test_cut_ridge_cv_measures_the_alternatives_on_the_held_out_sequences_at_the_chosen_ridge():

@@ -772,8 +772,9 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
         report["extended"] = extended
     if alternatives:
         report.update(candidates=candidates, plan=plan)
-    log.info("allocation search: cut ridge %.4g (%.4g on %d held-out sequences, KL %.5f; %s)", final, best, h,
-             kl[best], ", ".join(f"{r:g}: {v:.5f}" for r, v in kl.items()))
+    log.info("allocation search: cut ridge %.4g (%.4g on %d held-out sequences, KL %.5f; %s)%s", final, best, h,
+             kl[best], ", ".join(f"{r:g}: {v:.5f}" for r, v in kl.items()),
+             f"; past the end of cv_ridges: {', '.join(f'{r:g}' for r in extended)}" if extended else "")
     if plan != "search":
         log.info("allocation search: the cut takes %r (held-out KL %.5f against the search's %.5f)", plan,
                  candidates[plan], candidates["search"])
