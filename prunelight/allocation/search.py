@@ -745,16 +745,16 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
     fit = without_sequences(model, db, held, int(batches[0].shape[0]), reduce_sum)
     fitness = KLFitness(model, fit, held, reduce_sum=reduce_sum, top_k=top_k)
     kl: dict[float, float] = {}
-    for r in progress(list(options.cv_ridges), "cut ridge (cross-validation)", unit="ridge"):
+
+    def measure(r: float) -> None:
         fit.set_ridge(r)
         kl[float(r)] = fitness(levels, h)
+
+    for r in progress(list(options.cv_ridges), "cut ridge (cross-validation)", unit="ridge"):
+        measure(r)
     extended = []
-    for _ in range(CV_EDGE_STEPS):
-        r = beyond_edge(kl)
-        if r is None:
-            break
-        fit.set_ridge(r)
-        kl[r] = fitness(levels, h)
+    while len(extended) < CV_EDGE_STEPS and (r := beyond_edge(kl)) is not None:
+        measure(r)
         extended.append(r)
     kl = dict(sorted(kl.items()))
     best = min(kl, key=lambda r: (kl[r], r))
