@@ -23,6 +23,7 @@ from torch import nn
 
 from prunelight.allocation import Budget, Shape, allocation_of
 from prunelight.importance import UnitScores
+from prunelight.layer_tuning import LayerTuner
 from prunelight.levels import cut_with_levels
 from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan, validated_ridge
 from prunelight.plan import PrunePlan
@@ -63,7 +64,8 @@ class CutResult:
     budget: Budget
     scores: UnitScores | None  # None when a saved plan was applied (nothing scored or allocated)
     saved: SavedScores | None = None
-    reconstruction: dict[str, Any] | None = None  # prune.reconstruct's figures (None: no repair, or no surgery)
+    reconstruction: dict[str, Any] | None = None  # prune.reconstruct's figures, with "tuning" when layers were tuned
+    # (None: no repair, or no surgery)
     cut: bool = False  # whether the surgery ran (False: plan only, e.g. the DeepSpeed hand-off writes its own copy)
     times_s: dict[str, float] = field(default_factory=dict)
 
@@ -140,8 +142,11 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         if before_surgery is not None:
             before_surgery()
         t0 = time.perf_counter()
+        tuner = (LayerTuner(model, list(batches)[: settings.max_calibration_batches], settings.layer_tuning,
+                            reduce_sum, plan.drop_layers)
+                 if settings.reconstruct != "none" and settings.layer_tuning.epochs else None)
         # A search's levels database already holds the repair of its plan; else fit layer by layer, each repaired.
-        figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum)
+        figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum, tuner)
                    if plan.levels is not None else None)
         if figures is None:
             # A saved plan re-applied, or fewer calibration batches than the search's database (fast_dev_run,
@@ -151,8 +156,11 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
                 log.info("the cut repairs with the ridge the search cross-validated for this plan, %.4g (the plan "
                          "wins over prune.reconstruct_ridge=%s)", ridge, settings.reconstruct_ridge)
                 settings = dataclasses.replace(settings, reconstruct_ridge=ridge)
-            figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum)
+            figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum, tuner=tuner)
         result.reconstruction = figures if settings.reconstruct != "none" else None
+        if tuner is not None:  # the repair's seconds without the tuning's, which has its own
+            result.reconstruction["time_s"] = max(result.reconstruction["time_s"] - tuner.seconds, 0.0)
+            result.reconstruction["tuning"] = tuner.summary()
         result.cut = True
         result.times_s["surgery"] = time.perf_counter() - t0
     plan.levels = None  # the database (Grams of every layer) is not kept through recovery

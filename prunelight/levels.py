@@ -377,14 +377,15 @@ def repair_for(order: str, reconstruct: str) -> str:
 
 
 def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batches, reduce_sum: ReduceSum | None = None,
-                    ) -> dict[str, Any] | None:
+                    tuner: Any = None) -> dict[str, Any] | None:
     """Cut `model` in place to `plan`, writing the database's refitted columns instead of fitting them again.
 
     Returns the reconstruction figures (as `reconstruct.cut_and_reconstruct` reports them), or None, with nothing
     changed, when the database does not hold this repair: another `prune.reconstruct` or ridge, fits on pruned
     inputs, other calibration tokens (`prune.max_calibration_batches`), dropped layers, or a sub-block whose removed
     units are not the first of its order. A ridge the search cross-validated (`ridge_validated`) is the cut's.
-    The weights are the same either way (`tests/test_search.py`).
+    The weights are the same either way (`tests/test_search.py`). `tuner` (a `layer_tuning.LayerTuner`) tunes each
+    layer after its cut.
     """
     import time
 
@@ -431,6 +432,8 @@ def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batche
                             "rel_err_after": max(float((d @ g * d).sum()), 0.0) / yy if yy > 0 else 0.0})
 
     with torch.no_grad():
-        apply_plan(base, plan, cut_layer, desc=f"cut ({settings.reconstruct}, refits from the levels database)")
+        apply_plan(base, plan, tuner.wrap(cut_layer) if tuner is not None else cut_layer,
+                   desc=f"cut ({settings.reconstruct}, refits from the levels database"
+                        f"{', then layer tuning' if tuner is not None else ''})")
     out = summary(settings.reconstruct, "dense", db.tokens, figures, time.perf_counter() - t0, db.ridge)
     return {**out, "from": "levels_database"}

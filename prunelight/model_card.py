@@ -82,7 +82,9 @@ def model_card(record: dict[str, Any], config: Any = None, command: str | None =
             lines.append(f"- {name}: {_compact([layer.get(key) for layer in layers])}")
     if rec.get("reconstruction"):
         r = rec["reconstruction"]
-        lines.append(f"- Reconstruction after the cut: `{r.get('method')}`")
+        lines.append(f"- Reconstruction after the cut: `{r.get('method')}`"
+                     + (f", then each cut layer tuned toward the dense layer's outputs ({r['tuning']['epochs']} epochs "
+                        f"at most, lr {r['tuning']['lr']:g})" if r.get("tuning") else ""))
     lines += ["", "## Recovery", ""]
     recovery = rec.get("recovery") or {}
     if recovery:

@@ -214,7 +214,7 @@ class _Catcher(nn.Module):
         return hidden_states
 
 
-def _layer_calls(base: nn.Module, family: ModelFamily, batches: Sequence[torch.Tensor], device) -> _Calls:
+def layer_calls(base: nn.Module, family: ModelFamily, batches: Sequence[torch.Tensor], device) -> _Calls:
     """The layer-0 input and each layer's keyword arguments per batch, from one embedding-only pass."""
     layers = family.layers(base)
     sink: list = []
@@ -232,8 +232,8 @@ def _layer_calls(base: nn.Module, family: ModelFamily, batches: Sequence[torch.T
     return _Calls([h for h, _ in sink], [kw for _, kw in sink])
 
 
-def _run(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], hooks: dict[nn.Module, Callable],
-         stop: bool = False) -> list[torch.Tensor]:
+def run_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], hooks: dict[nn.Module, Callable],
+              stop: bool = False) -> list[torch.Tensor]:
     """Run `layer` on every batch; hooks(b, x, out) see their module's input and output; `stop` ends a batch there."""
     batch = [0]
 
@@ -346,7 +346,7 @@ def _layer_dense_inputs(job: _Job, i: int, layer: nn.Module, shape: LayerShape, 
     for kind, t in targets.items():
         proj = output_proj(job.family, layer, kind)
         hooks[proj] = lambda b, x, out, t=t, proj=proj: t.add(x, _linear_part(proj, out))
-    dense = _run(layer, dense, calls, hooks)
+    dense = run_layer(layer, dense, calls, hooks)
     for kind, keep in cuts:
         job.cut_and_fit(i, layer, shape, kind, keep, targets.get(kind))
     return dense
@@ -360,24 +360,26 @@ def _layer_pruned_inputs(job: _Job, i: int, layer: nn.Module, shape: LayerShape,
     for kind, t in targets.items():  # dense pass: the targets y = W x_dense of this layer, and the next dense stream
         proj = output_proj(job.family, layer, kind)
         hooks[proj] = lambda b, x, out, t=t, proj=proj: t.ys.append(_linear_part(proj, out))
-    dense = _run(layer, dense, calls, hooks)
+    dense = run_layer(layer, dense, calls, hooks)
     for kind, keep in cuts:  # forward order: the MLP is fitted on what the repaired attention gives it
         t = targets.get(kind)
         if t is not None:
             hook = lambda b, x, out, t=t: t.add(x, t.ys[b])  # noqa: E731
-            _run(layer, pruned, calls, {output_proj(job.family, layer, kind): hook}, stop=True)
+            run_layer(layer, pruned, calls, {output_proj(job.family, layer, kind): hook}, stop=True)
             t.ys = []
         job.cut_and_fit(i, layer, shape, kind, keep, t)
-    return dense, _run(layer, pruned, calls, {})
+    return dense, run_layer(layer, pruned, calls, {})
 
 
 def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor], settings,
-                        reduce_sum: ReduceSum | None = None, inputs: str = FIT_INPUTS) -> dict[str, Any]:
+                        reduce_sum: ReduceSum | None = None, inputs: str = FIT_INPUTS,
+                        tuner: Any = None) -> dict[str, Any]:
     """Cut `model` in place to `plan` and repair the cut sub-blocks (`settings.reconstruct`) on calibration `batches`.
 
     Layers are cut one at a time, in order, after their statistics are gathered (the dense layer is gone
     afterwards). `reduce_sum` sums the statistics over ranks (DDP), so every rank writes the same weights.
-    `inputs` is "dense" or "pruned" (see the module docstring). Returns the figures for the run record:
+    `inputs` is "dense" or "pruned" (see the module docstring). `tuner` (a `layer_tuning.LayerTuner`) tunes each
+    layer after its cut. Returns the figures for the run record:
     per cut sub-block the relative output error Σ||ŷ - y||² / Σ||y||² on the calibration tokens before
     and after the repair, their means, tokens and time.
     """
@@ -402,21 +404,22 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
     base.eval()
     try:
         with torch.no_grad():
-            calls = _layer_calls(base, family, batches, device)
+            calls = layer_calls(base, family, batches, device)
             streams = {"dense": calls.hidden, "pruned": calls.hidden if inputs == "pruned" else None}
 
             def cut_layer(i: int, layer: nn.Module, shape: LayerShape, cuts) -> None:
                 """surgery.apply_plan's per-layer step: gather this layer's statistics, then cut and fit it."""
                 kw = [c[i] for c in calls.layer_kwargs]
                 if i in plan.drop_layers:  # the whole layer goes: the pruned stream passes it unchanged
-                    streams["dense"] = _run(layer, streams["dense"], kw, {})
+                    streams["dense"] = run_layer(layer, streams["dense"], kw, {})
                 elif inputs == "dense":
                     streams["dense"] = _layer_dense_inputs(job, i, layer, shape, cuts, kw, streams["dense"])
                 else:
                     streams["dense"], streams["pruned"] = _layer_pruned_inputs(job, i, layer, shape, cuts, kw,
                                                                                streams["dense"], streams["pruned"])
 
-            apply_plan(base, plan, cut_layer, desc=f"reconstruction ({method})")
+            apply_plan(base, plan, tuner.wrap(cut_layer) if tuner is not None else cut_layer,
+                       desc=f"reconstruction ({method}{' + layer tuning' if tuner is not None else ''})")
     finally:
         base.train(was_training)
     if method == "bias":

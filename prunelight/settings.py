@@ -143,6 +143,26 @@ class SplitSearch:
 
 
 @dataclass
+class LayerTuning:
+    """After the repair, each cut decoder layer trained to reproduce the dense layer's outputs on the calibration
+    batches (`prunelight/layer_tuning.py`; docs/methods.md, "Layer tuning")."""
+
+    epochs: int = 5
+    """Passes over the training batches per cut layer (0: no tuning); the epoch of least held-out error is kept."""
+    lr: float = 3e-4
+    """Adam's learning rate."""
+    holdout_sequences: int = 16
+    """Calibration sequences (whole batches, the last ones) kept out of training to choose each layer's epoch."""
+
+    def validate(self, prefix: str) -> None:
+        """Check every field (called by PruneSettings)."""
+        _integer(f"{prefix}.epochs", self.epochs, 0)
+        _number(f"{prefix}.lr", self.lr, 0.0, 1.0, True, True)
+        self.lr = float(self.lr)
+        _integer(f"{prefix}.holdout_sequences", self.holdout_sequences, 1)
+
+
+@dataclass
 class PruneSettings:
     """What to remove and how: criterion, allocation and budget (the `prune:` section)."""
 
@@ -202,6 +222,9 @@ class PruneSettings:
     reconstruct_ridge: float = 1e-2
     """least_squares damping λ as a fraction of the mean diagonal of X_KᵀX_K (SparseGPT's percdamp convention);
     it shrinks the refit toward the cut weights, so the calibration error never rises."""
+    layer_tuning: LayerTuning = field(default_factory=LayerTuning)
+    """After the repair (any `reconstruct` but none), each cut layer trained on the calibration batches to give the
+    dense layer's outputs, stopped on held-out calibration sequences; {epochs: 0} turns it off."""
     target_params: int | str | None = None
     """Instead of `ratio`: parameters to keep at most, e.g. "6.5B", "350M", "1.2e9" or an integer."""
     target_memory: str | None = None
@@ -255,6 +278,9 @@ class PruneSettings:
             self.split_search = SplitSearch(**self.split_search)
         self.layerwise.validate("prune.layerwise")
         self.split_search.validate("prune.split_search")
+        if isinstance(self.layer_tuning, dict):
+            self.layer_tuning = LayerTuning(**self.layer_tuning)
+        self.layer_tuning.validate("prune.layer_tuning")
         self.report_layer_importance = list(dict.fromkeys(self.report_layer_importance or []))
         for name in self.report_layer_importance:
             _choice("prune.report_layer_importance", name, LAYER_IMPORTANCE)

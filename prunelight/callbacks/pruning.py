@@ -16,6 +16,7 @@ from prunelight.distributed import needs_fresh_engine, strategy_sum, zero_stage
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
+from prunelight.layer_tuning import tuning_line
 from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.run_plan import RunFacts, RunPlan, prepare_run
 from prunelight.saved import calibration_identity, scores_key
@@ -155,7 +156,17 @@ class PruningCallback(L.Callback):
             "prune/budget_error_params": meta["budget_error_params"],
             "prune/groups_removed": meta["groups_removed"],
             "prune/channels_removed": meta["channels_removed"],
+            **_tuning_metrics(record.reconstruction),
         })
+
+
+def _tuning_metrics(figures: dict | None) -> dict[str, float]:
+    """The layer tuning's mean held-out errors for the Lightning loggers (none when no layer was tuned)."""
+    tuning = (figures or {}).get("tuning") or {}
+    if tuning.get("mean_held_out_error_after") is None:
+        return {}
+    return {"prune/tuning_held_out_error_before": tuning["mean_held_out_error_before"],
+            "prune/tuning_held_out_error_after": tuning["mean_held_out_error_after"]}
 
 
 def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
@@ -165,6 +176,8 @@ def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
         log.info("reconstruction (%s, %s inputs%s): relative output error of the cut sub-blocks %.4f -> %.4f on "
                  "%d calibration tokens, %.1f s", figures["method"], figures["inputs"], ridge,
                  figures["rel_err_before_mean"], figures["rel_err_after_mean"], figures["tokens"], figures["time_s"])
+    if trainer.is_global_zero and figures.get("tuning"):
+        log.info("%s", tuning_line(figures["tuning"]))
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 import itertools
 import json
 import math
@@ -133,8 +135,11 @@ def check_keys(space: dict[str, Any], config: dict[str, Any], base: list[str]) -
     for key in space:
         ok, beside = _lookup(config, key)
         if not ok:
-            parent = key.rsplit(".", 1)[0]
-            hint = f"; keys under {parent!r} include {', '.join(beside[:12])}" if beside else ""
+            parent, last = key.rsplit(".", 1) if "." in key else ("", key)
+            close = difflib.get_close_matches(last, beside, n=3)  # a misspelt key's likely meaning first
+            listed = close + [k for k in beside if k not in close]
+            hint = ((f"; did you mean {' or '.join(repr(f'{parent}.{c}') for c in close)}?" if close else "")
+                    + (f"; keys under {parent!r} include {', '.join(listed[:12])}" if beside else ""))
             raise _bad("sweep.space", key, f"not a key of the run config {' + '.join(base)}{hint}")
 
 

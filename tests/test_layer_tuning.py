@@ -1,0 +1,244 @@
+"""Layer tuning (`prune.layer_tuning`): each cut layer trained toward the dense layer's outputs, kept at the epoch of
+least held-out error, the same on every rank, off with reconstruct none, and refused with bad settings."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from prunelight.cut import run_cut
+from prunelight.families import get_family
+from prunelight.importance import build_criterion
+from prunelight.layer_tuning import LayerTuner
+from prunelight.reconstruct import cut_and_reconstruct
+from prunelight.settings import LayerTuning, PruneSettings, SettingsError
+from prunelight.testing import VARIANTS, allocate_flat, settings_of, tiny_model
+
+
+def _batches(n: int = 6, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (8, 48), generator=g) for _ in range(n)]
+
+
+def _plan(model, ratio: float = 0.4):
+    return allocate_flat(model, build_criterion("random", seed=1).scores(model), ratio, "global")
+
+
+def _layer_io(model, batches) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per decoder layer, per batch: (input, output) of the layer in a forward of `model`."""
+    layers = get_family(model).layers(model)
+    seen: list[list] = [[] for _ in layers]
+    handles = [layer.register_forward_hook(
+        lambda m, args, kwargs, out, i=i: seen[i].append((kwargs.get("hidden_states", args[0] if args else None),
+                                                           out[0] if isinstance(out, tuple) else out)),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for ids in batches:
+            model(ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _layer_kwargs(model, batches) -> list[list[dict]]:
+    """Per decoder layer, per batch: the keyword arguments the model passes it (masks, positions)."""
+    layers = get_family(model).layers(model)
+    seen: list[list] = [[] for _ in layers]
+    handles = [layer.register_forward_pre_hook(
+        lambda m, args, kwargs, i=i: seen[i].append({k: v for k, v in kwargs.items() if k != "hidden_states"}),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for ids in batches:
+            model(ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _held_error(cut_model, dense_io, kwargs, i: int, held: list[int]) -> float:
+    """Σ||layer_i(x) - y||² / Σ||y - x||² over the held-out batches, x and y the dense layer's input and output."""
+    layer = get_family(cut_model).layers(cut_model)[i]
+    err = own = 0.0
+    with torch.no_grad():
+        for b in held:
+            x, y = dense_io[i][b]
+            out = layer(x, **kwargs[i][b])
+            out = out[0] if isinstance(out, tuple) else out
+            err += float((out - y).pow(2).sum())
+            own += float((y - x).pow(2).sum())
+    return err / own
+
+
+def _cut(model, plan, batches, tuning: LayerTuning | None, reduce_sum=None, all_batches=None):
+    settings = settings_of(0.4, reconstruct="least_squares")
+    tuner = LayerTuner(model, batches, tuning, reduce_sum, plan.drop_layers) if tuning is not None else None
+    figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum, tuner=tuner)
+    return figures, tuner
+
+
+@pytest.mark.parametrize("family, lr", [("llama", 1e-3), ("qwen2", 3e-4)])  # qwen2's tiny cut is nearly repaired
+def test_tuning_lowers_each_layers_held_out_error_as_measured_independently(family, lr):
+    dense = tiny_model(family)
+    plan = _plan(dense)
+    batches = _batches()
+    repaired, tuned = copy.deepcopy(dense), copy.deepcopy(dense)
+    _cut(repaired, plan, batches, None)
+    _, tuner = _cut(tuned, plan, batches, LayerTuning(epochs=8, lr=lr, holdout_sequences=12))
+    held = [4, 5]  # 12 sequences: the last two batches of 8 (whole batches)
+    assert tuner.held_batches == held and tuner.train_batches == [0, 1, 2, 3]
+    io, kwargs = _layer_io(dense, batches), _layer_kwargs(dense, batches)
+    figures = {f["layer"]: f for f in tuner.summary()["layers"]}
+    assert sorted(figures) == [0, 1], "the plan cut both layers: each is tuned"
+    improved = False
+    for i, f in figures.items():
+        before = _held_error(repaired, io, kwargs, i, held)
+        after = _held_error(tuned, io, kwargs, i, held)
+        assert f["held_out_error_before"] == pytest.approx(before, rel=1e-4)
+        assert f["held_out_error_after"] == pytest.approx(after, rel=1e-4)
+        assert after <= before
+        improved |= after < 0.9 * before and f["epoch"] > 0
+    assert improved, "no layer improved by 10%: the test would not see tuning work"
+    # the shapes (and so every layer's query/KV head ratio) are the cut's
+    assert {k: v.shape for k, v in tuned.state_dict().items()} == {k: v.shape for k, v in repaired.state_dict().items()}
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), repaired.state_dict().values()))
+
+
+def test_an_epoch_that_only_hurts_is_not_kept():
+    """A learning rate far too large: every epoch raises the held-out error, so each layer keeps the repaired cut."""
+    dense = tiny_model("llama")
+    plan = _plan(dense)
+    batches = _batches()
+    repaired, tuned = copy.deepcopy(dense), copy.deepcopy(dense)
+    _cut(repaired, plan, batches, None)
+    _, tuner = _cut(tuned, plan, batches, LayerTuning(epochs=3, lr=0.5, holdout_sequences=8))
+    for f in tuner.summary()["layers"]:
+        assert f["epoch"] == 0 and f["epochs_run"] == 1
+        assert f["held_out_error_after"] == f["held_out_error_before"]
+    for key, v in repaired.state_dict().items():
+        assert torch.equal(tuned.state_dict()[key], v), key
+
+
+class _ThreadRanks:
+    """Two ranks as threads, with a sum over them (the DDP all-reduce's contract)."""
+
+    def __init__(self, n: int) -> None:
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def reduce_sum(self, rank: int):
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = t.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0].clone())  # same order on every rank
+            self.barrier.wait()
+            return total
+
+        return fn
+
+
+@pytest.mark.parametrize("n_batches", [8, 7])  # 7: the ranks hold 4 and 3 batches, and still step together
+def test_two_ranks_write_the_same_weights(n_batches):
+    model = tiny_model("qwen2")
+    plan = _plan(model)
+    batches = _batches(n_batches)
+    tuning = LayerTuning(epochs=3, lr=1e-3, holdout_sequences=8)
+    ranks = _ThreadRanks(2)
+    models = [copy.deepcopy(model) for _ in range(2)]
+    tuners, errors = [None, None], []
+
+    def run(r: int) -> None:
+        try:
+            tuners[r] = _cut(models[r], plan, batches[r::2], tuning, ranks.reduce_sum(r))[1]
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    untuned = copy.deepcopy(model)
+    _cut(untuned, plan, batches, None)
+    s0, s1 = models[0].state_dict(), models[1].state_dict()
+    for key, v in s0.items():
+        assert torch.equal(v, s1[key]), key  # every rank took the same steps
+    assert any(not torch.equal(v, untuned.state_dict()[k]) for k, v in s0.items()), "nothing was tuned"
+    assert [t.held_batches for t in tuners] == [[3], [n_batches // 2 - 1]]  # 4 of the 8 held-out sequences each
+    assert [len(t.train_batches) for t in tuners] == [n_batches // 2 - 1] * 2
+    assert tuners[0].figures == tuners[1].figures
+
+
+def test_non_finite_outputs_or_loss_stop_with_the_layer(monkeypatch):
+    dense = tiny_model("llama")
+    plan = _plan(dense)
+    batches = _batches()
+    broken = copy.deepcopy(dense)
+    with torch.no_grad():
+        get_family(broken).layers(broken)[1].mlp.up_proj.weight[:, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"dense decoder layer 1 gives non-finite outputs"):
+        _cut(broken, plan, batches, LayerTuning(epochs=2, lr=1e-3, holdout_sequences=8))
+
+    class Diverging(torch.optim.Adam):
+        def step(self, closure=None):  # a step that blows the weights up, as too large a rate can
+            super().step(closure)
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.fill_(float("inf"))
+
+    monkeypatch.setattr("prunelight.layer_tuning.torch.optim.Adam", Diverging)
+    with pytest.raises(FloatingPointError, match=r"loss of decoder layer 0 is nan at epoch 1; lower "
+                                                 r"prune\.layer_tuning\.lr \(0\.001\)"):
+        _cut(copy.deepcopy(dense), plan, batches, LayerTuning(epochs=2, lr=1e-3, holdout_sequences=8))
+
+
+def test_the_cut_tunes_after_a_repair_and_not_without_one():
+    """`cut.run_cut` (the run's and `prunelight.prune`'s cut): tuned and recorded after least squares; epochs 0 is
+    the repair alone; reconstruct none is not tuned (the cut stays the masked model)."""
+    dense = tiny_model("llama")
+    batches = _batches()
+    common = dict(ratio=0.3, criterion="random", allocation="global",
+                  layer_tuning={"epochs": 4, "lr": 1e-3, "holdout_sequences": 8})
+    tuned, repaired, bare = copy.deepcopy(dense), copy.deepcopy(dense), copy.deepcopy(dense)
+    tuning = run_cut(tuned, batches, PruneSettings(reconstruct="least_squares", **common)).reconstruction["tuning"]
+    assert tuning["epochs"] == 4 and tuning["held_out_sequences"] == 8 and tuning["train_sequences"] == 40
+    assert [f["layer"] for f in tuning["layers"]] == [0, 1]
+    assert tuning["mean_held_out_error_after"] <= tuning["mean_held_out_error_before"]
+    figures = run_cut(repaired, batches, PruneSettings(reconstruct="least_squares",
+                                                       **{**common, "layer_tuning": {"epochs": 0}})).reconstruction
+    assert "tuning" not in figures
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), repaired.state_dict().values()))
+    assert run_cut(bare, batches, PruneSettings(reconstruct="none", **common)).reconstruction is None
+
+
+@pytest.mark.parametrize("tuning, option", [
+    ({"epochs": -1}, "prune.layer_tuning.epochs"),
+    ({"lr": 0.0}, "prune.layer_tuning.lr"),
+    ({"lr": 2.0}, "prune.layer_tuning.lr"),
+    ({"holdout_sequences": 0}, "prune.layer_tuning.holdout_sequences"),
+])
+def test_settings_refuse_bad_values(tuning, option):
+    with pytest.raises(SettingsError, match=rf"^{option}="):
+        PruneSettings(layer_tuning=tuning)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_family_is_tuned_and_never_worse_on_held_out_sequences(variant):
+    """Each family's layer (its norms, biases, sliding windows, fused projections) takes the tuning's forward and
+    backward, and no layer leaves it with a larger held-out error than the repair gave it."""
+    family, overrides = VARIANTS[variant]
+    model = tiny_model(family, **overrides)
+    batches = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    settings = PruneSettings(ratio=0.3, criterion="random", allocation="global",
+                             layer_tuning={"epochs": 3, "holdout_sequences": 4})
+    tuning = run_cut(model, batches, settings).reconstruction["tuning"]
+    assert [f["layer"] for f in tuning["layers"]] == [0, 1]
+    for f in tuning["layers"]:
+        assert f["held_out_error_after"] <= f["held_out_error_before"]
+    with torch.no_grad():
+        assert torch.isfinite(model(batches[0]).logits).all()
