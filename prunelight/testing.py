@@ -299,3 +299,24 @@ def sized_plan(model, keep_groups: list[int], keep_channels: list[int], scores=N
         layers.append(LayerPlan(kept["attn"], kept["mlp"]))
     shapes = family.layer_shapes(model)
     return PrunePlan(layers, [s.num_key_value_heads for s in shapes], [s.intermediate_size for s in shapes])
+
+
+class ThreadRanks:
+    """`reduce_sum` for threads standing in for DDP ranks: every call returns the sum over all of them."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(n, timeout=120)
+        self.slots: list = [None] * n
+
+    def reduce_sum(self, rank: int):
+        """Rank `rank`'s all-reduce: the sum of every rank's tensor, added in rank order on every rank."""
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = t.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0].clone())  # same order on every rank
+            self.barrier.wait()  # nobody overwrites a slot before all have read it
+            return total
+
+        return fn

@@ -15,7 +15,7 @@ from prunelight.importance import build_criterion
 from prunelight.layer_tuning import LayerTuner
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.settings import LayerTuning, PruneSettings, SettingsError
-from prunelight.testing import VARIANTS, allocate_flat, settings_of, tiny_model
+from prunelight.testing import ThreadRanks, VARIANTS, allocate_flat, settings_of, tiny_model
 
 
 def _batches(n: int = 6, seed: int = 3) -> list[torch.Tensor]:
@@ -27,14 +27,21 @@ def _plan(model, ratio: float = 0.4):
     return allocate_flat(model, build_criterion("random", seed=1).scores(model), ratio, "global")
 
 
-def _layer_io(model, batches) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per decoder layer, per batch: (input, output) of the layer in a forward of `model`."""
+def _layer_calls(model, batches) -> list[list[tuple[torch.Tensor, torch.Tensor, dict]]]:
+    """Per decoder layer, per batch: the layer's input, its output and the other keyword arguments the model passes
+    it (masks, positions), from a forward of `model`."""
     layers = get_family(model).layers(model)
     seen: list[list] = [[] for _ in layers]
-    handles = [layer.register_forward_hook(
-        lambda m, args, kwargs, out, i=i: seen[i].append((kwargs.get("hidden_states", args[0] if args else None),
-                                                           out[0] if isinstance(out, tuple) else out)),
-        with_kwargs=True) for i, layer in enumerate(layers)]
+
+    def hook(i: int):
+        def record(m, args, kwargs, out):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            seen[i].append((x, out[0] if isinstance(out, tuple) else out, kw))
+
+        return record
+
+    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     with torch.no_grad():
         for ids in batches:
             model(ids, use_cache=False)
@@ -43,29 +50,14 @@ def _layer_io(model, batches) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return seen
 
 
-def _layer_kwargs(model, batches) -> list[list[dict]]:
-    """Per decoder layer, per batch: the keyword arguments the model passes it (masks, positions)."""
-    layers = get_family(model).layers(model)
-    seen: list[list] = [[] for _ in layers]
-    handles = [layer.register_forward_pre_hook(
-        lambda m, args, kwargs, i=i: seen[i].append({k: v for k, v in kwargs.items() if k != "hidden_states"}),
-        with_kwargs=True) for i, layer in enumerate(layers)]
-    with torch.no_grad():
-        for ids in batches:
-            model(ids, use_cache=False)
-    for h in handles:
-        h.remove()
-    return seen
-
-
-def _held_error(cut_model, dense_io, kwargs, i: int, held: list[int]) -> float:
+def _held_error(cut_model, dense_calls, i: int, held: list[int]) -> float:
     """Σ||layer_i(x) - y||² / Σ||y - x||² over the held-out batches, x and y the dense layer's input and output."""
     layer = get_family(cut_model).layers(cut_model)[i]
     err = own = 0.0
     with torch.no_grad():
         for b in held:
-            x, y = dense_io[i][b]
-            out = layer(x, **kwargs[i][b])
+            x, y, kw = dense_calls[i][b]
+            out = layer(x, **kw)
             out = out[0] if isinstance(out, tuple) else out
             err += float((out - y).pow(2).sum())
             own += float((y - x).pow(2).sum())
@@ -89,13 +81,13 @@ def test_tuning_lowers_each_layers_held_out_error_as_measured_independently(fami
     _, tuner = _cut(tuned, plan, batches, LayerTuning(epochs=8, lr=lr, holdout_sequences=12))
     held = [4, 5]  # 12 sequences: the last two batches of 8 (whole batches)
     assert tuner.held_batches == held and tuner.train_batches == [0, 1, 2, 3]
-    io, kwargs = _layer_io(dense, batches), _layer_kwargs(dense, batches)
+    calls = _layer_calls(dense, batches)
     figures = {f["layer"]: f for f in tuner.summary()["layers"]}
     assert sorted(figures) == [0, 1], "the plan cut both layers: each is tuned"
     improved = False
     for i, f in figures.items():
-        before = _held_error(repaired, io, kwargs, i, held)
-        after = _held_error(tuned, io, kwargs, i, held)
+        before = _held_error(repaired, calls, i, held)
+        after = _held_error(tuned, calls, i, held)
         assert f["held_out_error_before"] == pytest.approx(before, rel=1e-4)
         assert f["held_out_error_after"] == pytest.approx(after, rel=1e-4)
         assert after <= before
@@ -121,31 +113,13 @@ def test_an_epoch_that_only_hurts_is_not_kept():
         assert torch.equal(tuned.state_dict()[key], v), key
 
 
-class _ThreadRanks:
-    """Two ranks as threads, with a sum over them (the DDP all-reduce's contract)."""
-
-    def __init__(self, n: int) -> None:
-        self.slots: list = [None] * n
-        self.barrier = threading.Barrier(n)
-
-    def reduce_sum(self, rank: int):
-        def fn(t: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = t.clone()
-            self.barrier.wait()
-            total = sum(self.slots[1:], self.slots[0].clone())  # same order on every rank
-            self.barrier.wait()
-            return total
-
-        return fn
-
-
 @pytest.mark.parametrize("n_batches", [8, 7])  # 7: the ranks hold 4 and 3 batches, and still step together
 def test_two_ranks_write_the_same_weights(n_batches):
     model = tiny_model("qwen2")
     plan = _plan(model)
     batches = _batches(n_batches)
     tuning = LayerTuning(epochs=3, lr=1e-3, holdout_sequences=8)
-    ranks = _ThreadRanks(2)
+    ranks = ThreadRanks(2)
     models = [copy.deepcopy(model) for _ in range(2)]
     tuners, errors = [None, None], []
 

@@ -21,7 +21,7 @@ from prunelight.importance import build_criterion
 from prunelight.reconstruct import FitStats, cut_and_reconstruct, output_proj
 from prunelight.settings import PruneSettings, SettingsError
 from prunelight.surgery import mask_units
-from prunelight.testing import allocate_flat, settings_of, tiny_model
+from prunelight.testing import ThreadRanks, allocate_flat, settings_of, tiny_model
 
 IDS = [[5, 9, 17, 33, 2, 64, 100, 7, 11, 40]]
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
@@ -246,24 +246,6 @@ def test_fit_stats_halves_sum_to_one_pass():
         torch.testing.assert_close(halves[0].tensors()[name], t, atol=1e-4, rtol=1e-5)
 
 
-class _ThreadRanks:
-    """`reduce_sum` for threads standing in for DDP ranks: every call returns the sum over all of them."""
-
-    def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=120)
-        self.slots: list = [None] * n
-
-    def reduce_sum(self, rank: int):
-        def fn(t: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = t.clone()
-            self.barrier.wait()
-            total = sum(self.slots[1:], self.slots[0].clone())  # same order on every rank
-            self.barrier.wait()  # nobody overwrites a slot before all have read it
-            return total
-
-        return fn
-
-
 @pytest.mark.parametrize("method, inputs", [("least_squares", "dense"), ("bias", "dense"),
                                             ("least_squares", "pruned")])
 def test_two_ranks_match_one_process(method, inputs):
@@ -273,7 +255,7 @@ def test_two_ranks_match_one_process(method, inputs):
     settings = settings_of(0.3, reconstruct=method)
     one = copy.deepcopy(model)
     ref = cut_and_reconstruct(one, plan, batches, settings, inputs=inputs)
-    ranks = _ThreadRanks(2)
+    ranks = ThreadRanks(2)
     models = [copy.deepcopy(model) for _ in range(2)]
     results, errors = [None, None], []
 
