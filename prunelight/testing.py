@@ -320,3 +320,27 @@ class ThreadRanks:
             return total
 
         return fn
+
+    def run(self, fn):
+        """`fn(rank, reduce_sum)` on every rank, each in its own thread; the results by rank (a rank's error is raised
+        here, after the others were released)."""
+        import threading
+
+        n = len(self.slots)
+        results, errors = [None] * n, []
+
+        def one(r: int) -> None:
+            try:
+                results[r] = fn(r, self.reduce_sum(r))
+            except BaseException as err:  # noqa: BLE001 - raised by the calling thread
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results

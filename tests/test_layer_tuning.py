@@ -4,7 +4,6 @@ least held-out error, the same on every rank, off with reconstruct none, and ref
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -119,23 +118,8 @@ def test_two_ranks_write_the_same_weights(n_batches):
     plan = _plan(model)
     batches = _batches(n_batches)
     tuning = LayerTuning(epochs=3, lr=1e-3, holdout_sequences=8)
-    ranks = ThreadRanks(2)
     models = [copy.deepcopy(model) for _ in range(2)]
-    tuners, errors = [None, None], []
-
-    def run(r: int) -> None:
-        try:
-            tuners[r] = _cut(models[r], plan, batches[r::2], tuning, ranks.reduce_sum(r))[1]
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
-            errors.append(err)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    tuners = ThreadRanks(2).run(lambda r, reduce_sum: _cut(models[r], plan, batches[r::2], tuning, reduce_sum)[1])
     untuned = copy.deepcopy(model)
     _cut(untuned, plan, batches, None)
     s0, s1 = models[0].state_dict(), models[1].state_dict()

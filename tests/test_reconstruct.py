@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch
@@ -255,23 +254,9 @@ def test_two_ranks_match_one_process(method, inputs):
     settings = settings_of(0.3, reconstruct=method)
     one = copy.deepcopy(model)
     ref = cut_and_reconstruct(one, plan, batches, settings, inputs=inputs)
-    ranks = ThreadRanks(2)
     models = [copy.deepcopy(model) for _ in range(2)]
-    results, errors = [None, None], []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = cut_and_reconstruct(models[r], plan, batches[r::2], settings, ranks.reduce_sum(r), inputs)
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
-            errors.append(err)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = ThreadRanks(2).run(
+        lambda r, reduce_sum: cut_and_reconstruct(models[r], plan, batches[r::2], settings, reduce_sum, inputs))
     assert results[0]["tokens"] == ref["tokens"] == sum(b.numel() for b in batches)
     state0, state1, state_ref = (m.state_dict() for m in (*models, one))
     for key, v in state_ref.items():
