@@ -148,16 +148,21 @@ class LayerTuner:
             for b in self.train_batches:
                 opt.zero_grad(set_to_none=True)
                 loss = (out(b) - targets[b].float()).pow(2).mean()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"layer tuning: the loss of decoder layer {i} is {float(loss.detach())} at epoch {epoch}; lower "
-                        f"prune.layer_tuning.lr ({self.tuning.lr:g}) or set prune.layer_tuning.epochs: 0")
                 loss.backward()
+                total = float(loss.detach())
                 if self.reduce_sum is not None:  # every rank takes the same step (Adam ignores the sum's scale)
+                    # the loss travels with the gradients, so a non-finite loss on one rank stops every rank here
+                    # together instead of leaving the others waiting at this sum
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                    flat = self.reduce_sum(torch.cat([g.reshape(-1) for g in grads]))
-                    for p, g in zip(params, flat.split([p.numel() for p in params])):
+                    flat = self.reduce_sum(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)]))
+                    total = float(flat[-1])
+                    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
                         p.grad = g.view_as(p).to(p.dtype)
+                if not math.isfinite(total):
+                    summed = " (summed over the ranks)" if self.reduce_sum is not None else ""
+                    raise FloatingPointError(
+                        f"layer tuning: the loss of decoder layer {i} is {total}{summed} at epoch {epoch}; lower "
+                        f"prune.layer_tuning.lr ({self.tuning.lr:g}) or set prune.layer_tuning.epochs: 0")
                 opt.step()
             epochs_run = epoch
             err = held_error()

@@ -4,6 +4,8 @@ least held-out error, the same on every rank, off with reconstruct none, and ref
 from __future__ import annotations
 
 import copy
+import re
+import threading
 
 import pytest
 import torch
@@ -153,6 +155,41 @@ def test_non_finite_outputs_or_loss_stop_with_the_layer(monkeypatch):
     with pytest.raises(FloatingPointError, match=r"loss of decoder layer 0 is nan at epoch 1; lower "
                                                  r"prune\.layer_tuning\.lr \(0\.001\)"):
         _cut(copy.deepcopy(dense), plan, batches, LayerTuning(epochs=2, lr=1e-3, holdout_sequences=8))
+
+
+def test_a_loss_that_diverges_on_one_rank_stops_every_rank(monkeypatch):
+    """Only rank 1's weights blow up: both ranks still meet at the gradient sum and raise the same error (raising
+    on rank 1 alone would leave rank 0 waiting at that sum: here the barrier's time-out, then BrokenBarrierError)."""
+    model = tiny_model("qwen2")
+    plan = _plan(model)
+    batches = _batches(8)
+    models = [copy.deepcopy(model) for _ in range(2)]
+    here = threading.local()  # which rank the calling thread stands for
+
+    class DivergingOnRank1(torch.optim.Adam):
+        def step(self, closure=None):
+            super().step(closure)
+            if getattr(here, "rank", None) == 1:
+                with torch.no_grad():
+                    for group in self.param_groups:
+                        for p in group["params"]:
+                            p.fill_(float("inf"))
+
+    monkeypatch.setattr("prunelight.layer_tuning.torch.optim.Adam", DivergingOnRank1)
+    tuning = LayerTuning(epochs=2, lr=1e-3, holdout_sequences=8)
+
+    def one(r, reduce_sum):
+        here.rank = r
+        try:
+            _cut(models[r], plan, batches[r::2], tuning, reduce_sum)
+        except FloatingPointError as err:  # returned, so the other rank is not released by an abort
+            return err
+        return None
+
+    errors = ThreadRanks(2).run(one)
+    assert all(isinstance(e, FloatingPointError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])
+    assert re.search(r"loss of decoder layer 0 is (nan|inf) \(summed over the ranks\) at epoch 1", str(errors[0]))
 
 
 def test_the_cut_tunes_after_a_repair_and_not_without_one():
