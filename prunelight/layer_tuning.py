@@ -12,10 +12,12 @@ measured before tuning and after every epoch, and the layer keeps the weights of
 cut itself when no epoch beats it), so the fit stops where it stops generalizing. Calibration text only: the
 evaluation text is never read.
 
-Cost: per cut layer one dense forward for the targets and `epochs` forward+backward passes over the training
-batches (SmolLM2-135M, 48 x 128 tokens, 5 epochs: about 2.5 s per layer on 2 CPU cores). Memory: two
-layer-boundary streams of the calibration batches (the layer's inputs and the dense outputs) and the layer's
-parameters with Adam's two moments in float32 (a layer is tuned in float32 whatever the model's dtype). Under DDP
+Cost: `epochs` forward+backward passes over the training batches per cut layer (SmolLM2-135M, 48 x 128 tokens,
+5 epochs: about 2.5 s per layer on 2 CPU cores). The fitted repair (`reconstruct.cut_and_reconstruct`) hands the
+tuner the dense inputs and outputs it computes anyway (`LayerTuner.tune`); a cut from the levels database runs no
+dense forward of its own, so there the tuner runs one per layer (`LayerTuner.wrap`). Memory: two layer-boundary
+streams of the calibration batches (the layer's inputs and the dense outputs) and the layer's parameters with
+Adam's two moments in float32 (a layer is tuned in float32 whatever the model's dtype). Under DDP
 every rank trains on its own batches and the gradients and held-out errors are summed over ranks, so every rank
 writes the same weights.
 """
@@ -52,42 +54,50 @@ class LayerTuner:
                  drop_layers: Sequence[int] = ()) -> None:
         self.base = unwrap(model)
         self.family = get_family(self.base)
+        self.batches = list(batches)
         self.tuning = tuning
         self.reduce_sum = reduce_sum
         self.drop = set(drop_layers)
-        device = next(self.base.parameters()).device
-        with torch.no_grad():
-            calls = layer_calls(self.base, self.family, list(batches), device)
-        self.stream, self.kwargs = calls.hidden, calls.layer_kwargs
-        sizes = [h.shape[0] for h in self.stream]
+        self.sizes = [b.shape[0] for b in self.batches]
         # Whole batches are held out (a batch's masks and positions are built for its size), at least one trained;
         # under DDP every rank holds out and trains on as many batches as the others, so their collectives pair up.
         world = int(self._sum([1.0])[0])
         held, n = 0, 0
-        while held < len(sizes) - 1 and n < math.ceil(tuning.holdout_sequences / world):
+        while held < len(self.sizes) - 1 and n < math.ceil(tuning.holdout_sequences / world):
             held += 1
-            n += sizes[-held]
+            n += self.sizes[-held]
         held = self._min_over_ranks(held)
-        train = self._min_over_ranks(len(sizes) - held)
+        train = self._min_over_ranks(len(self.sizes) - held)
         self.train_batches = list(range(train))
-        self.held_batches = list(range(len(sizes) - held, len(sizes)))
+        self.held_batches = list(range(len(self.sizes) - held, len(self.sizes)))
         self.figures: list[dict[str, Any]] = []
         self.seconds = 0.0
 
+    def tune(self, i: int, layer: nn.Module, cuts, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+             kwargs: list[dict]) -> None:
+        """Tune decoder layer `i`, just cut (`cuts`, as `surgery.apply_plan` passes them), toward the dense layer's
+        outputs `targets` from its inputs `inputs` (one tensor per calibration batch); uncut and dropped layers, and
+        layers without parameters, are left as they are."""
+        if cuts and i not in self.drop and any(True for _ in layer.parameters()):
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                self.figures.append({"layer": i, **self._tune(i, layer, inputs, targets, kwargs)})
+            self.seconds += time.perf_counter() - t0
+
     def wrap(self, cut_layer: LayerCut) -> LayerCut:
-        """`cut_layer` followed by this layer's tuning (dense outputs taken before the cut)."""
+        """`cut_layer` followed by this layer's tuning, for a cut that runs no dense forward of its own: the dense
+        inputs of layer 0 are taken now and each layer's dense outputs before its cut."""
+        with torch.no_grad():
+            calls = layer_calls(self.base, self.family, self.batches, next(self.base.parameters()).device)
+        stream = [calls.hidden]
 
         def step(i: int, layer: nn.Module, shape, cuts) -> None:
-            kw = [c[i] for c in self.kwargs]
+            kw = [c[i] for c in calls.layer_kwargs]
             with torch.no_grad():
-                dense_out = run_layer(layer, self.stream, kw, {})
+                dense_out = run_layer(layer, stream[0], kw, {})
             cut_layer(i, layer, shape, cuts)
-            if cuts and i not in self.drop and any(True for _ in layer.parameters()):
-                t0 = time.perf_counter()
-                with torch.enable_grad():
-                    self.figures.append({"layer": i, **self._tune(i, layer, self.stream, dense_out, kw)})
-                self.seconds += time.perf_counter() - t0
-            self.stream = dense_out
+            self.tune(i, layer, cuts, stream[0], dense_out, kw)
+            stream[0] = dense_out
 
         return step
 
@@ -189,8 +199,8 @@ class LayerTuner:
             vals = [f[key] for f in self.figures if f[key] is not None]
             return sum(vals) / len(vals) if vals else None
 
-        train, held = self._sum([float(sum(self.stream[b].shape[0] for b in self.train_batches)),
-                                 float(sum(self.stream[b].shape[0] for b in self.held_batches))])  # all ranks
+        train, held = self._sum([float(sum(self.sizes[b] for b in self.train_batches)),
+                                 float(sum(self.sizes[b] for b in self.held_batches))])  # all ranks
         return {"epochs": self.tuning.epochs, "lr": self.tuning.lr,
                 "train_sequences": int(train), "held_out_sequences": int(held),
                 "mean_held_out_error_before": mean("held_out_error_before"),

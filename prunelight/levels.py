@@ -34,7 +34,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,9 @@ from prunelight.importance.base import UnitScores
 from prunelight.importance.obs import ObsCriterion, unit_columns
 from prunelight.obs import damping, greedy_removal
 from prunelight.reconstruct import FitStats, ReduceSum, least_squares_fit, output_proj
+
+if TYPE_CHECKING:  # the hint only
+    from prunelight.layer_tuning import LayerTuner
 
 ORDERS = ("criterion", "obs", "obs_kfac")
 # obs_kfac's output metric: the Fisher of each sub-block's output, normalized to mean diagonal 1, plus this times
@@ -377,15 +380,15 @@ def repair_for(order: str, reconstruct: str) -> str:
 
 
 def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batches, reduce_sum: ReduceSum | None = None,
-                    tuner: Any = None) -> dict[str, Any] | None:
+                    tuner: LayerTuner | None = None) -> dict[str, Any] | None:
     """Cut `model` in place to `plan`, writing the database's refitted columns instead of fitting them again.
 
     Returns the reconstruction figures (as `reconstruct.cut_and_reconstruct` reports them), or None, with nothing
     changed, when the database does not hold this repair: another `prune.reconstruct` or ridge, fits on pruned
     inputs, other calibration tokens (`prune.max_calibration_batches`), dropped layers, or a sub-block whose removed
     units are not the first of its order. A ridge the search cross-validated (`ridge_validated`) is the cut's.
-    The weights are the same either way (`tests/test_search.py`). `tuner` (a `layer_tuning.LayerTuner`) tunes each
-    layer after its cut.
+    The weights are the same either way (`tests/test_search.py`). `tuner` tunes each layer after its cut
+    (it runs the dense layer forward first: nothing here computes the dense outputs).
     """
     import time
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -58,6 +58,9 @@ from prunelight.families import LayerShape, ModelFamily, get_family, unwrap
 from prunelight.obs import damping, greedy_removal
 from prunelight.plan import PrunePlan
 from prunelight.surgery import apply_plan, check_plan
+
+if TYPE_CHECKING:  # the hint only: layer_tuning imports this module
+    from prunelight.layer_tuning import LayerTuner
 
 RECONSTRUCTIONS = ("none", "bias", "least_squares", "obs")
 FIT_INPUT_CHOICES = ("dense", "pruned")
@@ -373,13 +376,13 @@ def _layer_pruned_inputs(job: _Job, i: int, layer: nn.Module, shape: LayerShape,
 
 def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor], settings,
                         reduce_sum: ReduceSum | None = None, inputs: str = FIT_INPUTS,
-                        tuner: Any = None) -> dict[str, Any]:
+                        tuner: LayerTuner | None = None) -> dict[str, Any]:
     """Cut `model` in place to `plan` and repair the cut sub-blocks (`settings.reconstruct`) on calibration `batches`.
 
     Layers are cut one at a time, in order, after their statistics are gathered (the dense layer is gone
     afterwards). `reduce_sum` sums the statistics over ranks (DDP), so every rank writes the same weights.
-    `inputs` is "dense" or "pruned" (see the module docstring). `tuner` (a `layer_tuning.LayerTuner`) tunes each
-    layer after its cut. Returns the figures for the run record:
+    `inputs` is "dense" or "pruned" (see the module docstring). `tuner` tunes each layer after its cut, on the
+    dense layer's inputs and outputs this fit computes anyway. Returns the figures for the run record:
     per cut sub-block the relative output error Σ||ŷ - y||² / Σ||y||² on the calibration tokens before
     and after the repair, their means, tokens and time.
     """
@@ -410,15 +413,18 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
             def cut_layer(i: int, layer: nn.Module, shape: LayerShape, cuts) -> None:
                 """surgery.apply_plan's per-layer step: gather this layer's statistics, then cut and fit it."""
                 kw = [c[i] for c in calls.layer_kwargs]
+                dense_in = streams["dense"]
                 if i in plan.drop_layers:  # the whole layer goes: the pruned stream passes it unchanged
-                    streams["dense"] = run_layer(layer, streams["dense"], kw, {})
+                    streams["dense"] = run_layer(layer, dense_in, kw, {})
                 elif inputs == "dense":
-                    streams["dense"] = _layer_dense_inputs(job, i, layer, shape, cuts, kw, streams["dense"])
+                    streams["dense"] = _layer_dense_inputs(job, i, layer, shape, cuts, kw, dense_in)
                 else:
                     streams["dense"], streams["pruned"] = _layer_pruned_inputs(job, i, layer, shape, cuts, kw,
-                                                                               streams["dense"], streams["pruned"])
+                                                                               dense_in, streams["pruned"])
+                if tuner is not None:  # the dense inputs and outputs just computed are the tuning's data
+                    tuner.tune(i, layer, cuts, dense_in, streams["dense"], kw)
 
-            apply_plan(base, plan, tuner.wrap(cut_layer) if tuner is not None else cut_layer,
+            apply_plan(base, plan, cut_layer,
                        desc=f"reconstruction ({method}{' + layer tuning' if tuner is not None else ''})")
     finally:
         base.train(was_training)

@@ -40,6 +40,7 @@ class LoRASettings:
     alpha: int = 16
     dropout: float = 0.05
     target_modules: list[str] | None = None  # None: the model family's projections (ModelFamily.lora_targets)
+    use_dora: bool = False  # DoRA (Liu et al., 2024): a trained magnitude per output row on top of the LoRA update
 
     def as_dict(self) -> dict:
         """JSON-able form (stored in checkpoints to re-wrap on resume)."""
@@ -66,6 +67,7 @@ def add_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(targets),
+        use_dora=settings.use_dora,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)

@@ -36,11 +36,19 @@ SETTINGS = {  # name -> command-line options of the recovery
     "ce": [],
     "kl_a0.5_T2": ["--model.distillation.alpha=0.5", "--model.distillation.temperature=2.0"],
     "kl_a1.0_T1": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0"],
-    # the same loss at 4x the job's learning rate: how far 200 steps get when the adapters move faster
+    # the job's LoRA learning rate (the package default, 2e-4) against others: a faster rate fits the recovery
+    # text better and WikiText-2 worse (results/benchmarks/recovery_smollm2.md)
+    "ce_lr1.25e-4": ["--model.learning_rate=0.000125"],
+    "ce_lr2.5e-4": ["--model.learning_rate=0.00025"],
+    "ce_lr5e-4": ["--model.learning_rate=0.0005"],  # the job's rate until 2026-11-29
+    "ce_lr1e-3": ["--model.learning_rate=0.001"],
+    "ce_dora": ["--model.lora.use_dora=true"],
+    # pure distillation at 2e-3 (4x the job's rate of 5e-4 when it was measured): when the adapters move faster
     "kl_a1.0_T1_lr2e-3": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0",
                           "--model.learning_rate=0.002"],
     # what a bigger trainable part buys at equal tokens: LoRA r=64 (alpha 2r, as r=8 has) and full fine-tuning
-    # (at 1e-4, a fifth of LoRA's rate: every weight moves, as fine-tuning a pretrained model of this size does)
+    # (at 1e-4, a fifth of LoRA's rate of 5e-4 when measured: every weight moves, as fine-tuning a pretrained model
+    # of this size does)
     "ce_r64": ["--model.lora.r=64", "--model.lora.alpha=128"],
     "kl_r64": ["--model.lora.r=64", "--model.lora.alpha=128", "--model.distillation.alpha=1.0",
                "--model.distillation.temperature=1.0"],
@@ -128,7 +136,9 @@ def table(out: Path) -> str:
         if name not in ("dense", "pruned") and run.exists():
             rec = json.loads(run.read_text())["recovery"]
             d = rec.get("distillation")
-            how = (f"LoRA r={rec['lora']['r']}" if rec.get("mode", "lora") == "lora" and rec.get("lora")
+            lora = rec.get("lora") or {}
+            how = (f"{'DoRA' if lora.get('use_dora') else 'LoRA'} r={lora['r']}"
+                   if rec.get("mode", "lora") == "lora" and lora.get("r")
                    else "LoRA" if rec.get("mode", "lora") == "lora" else "full fine-tuning")
             loss = (f"{rec['steps']} steps {how}, next-token CE" if not d else
                     f"{rec['steps']} steps {how}, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "

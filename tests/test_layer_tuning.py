@@ -237,3 +237,46 @@ def test_every_family_is_tuned_and_never_worse_on_held_out_sequences(variant):
         assert f["held_out_error_after"] <= f["held_out_error_before"]
     with torch.no_grad():
         assert torch.isfinite(model(batches[0]).logits).all()
+
+
+def test_both_cuts_tune_to_the_same_model_and_the_fitted_one_reuses_its_dense_pass(monkeypatch):
+    """A search plan cut from its levels database (`cut_with_levels`: the tuner runs each dense layer itself) and the
+    same plan fitted again (`cut_and_reconstruct`: the tuner gets the fit's dense inputs and outputs, and runs no
+    forward of its own) tune to the same model with the same figures."""
+    import prunelight.layer_tuning as layer_tuning
+    from prunelight.levels import cut_with_levels
+    from prunelight.pipeline import make_plan
+
+    counts = {"layer_calls": 0, "run_layer": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(layer_tuning, "layer_calls", counted("layer_calls", layer_tuning.layer_calls))
+    monkeypatch.setattr(layer_tuning, "run_layer", counted("run_layer", layer_tuning.run_layer))
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
+    batches = _batches()
+    settings = settings_of(0.4, criterion="flap", allocation="search", reconstruct="least_squares", allocation_args={
+        "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "cut_ridge": "fixed"})
+    plan, _ = make_plan(model, batches, settings)
+    tuning = LayerTuning(epochs=6, lr=3e-4, holdout_sequences=8)
+    fast, slow = copy.deepcopy(model), copy.deepcopy(model)
+    fast_tuner = LayerTuner(fast, batches, tuning, None, plan.drop_layers)
+    assert cut_with_levels(fast, plan, plan.levels, settings, batches, tuner=fast_tuner)["from"] == "levels_database"
+    assert counts == {"layer_calls": 1, "run_layer": 3}  # one embedding pass, one dense forward per layer
+    slow_tuner = LayerTuner(slow, batches, tuning, None, plan.drop_layers)
+    cut_and_reconstruct(slow, copy.deepcopy(plan), batches, settings_of(0.4, reconstruct="least_squares"),
+                        tuner=slow_tuner)
+    assert counts == {"layer_calls": 1, "run_layer": 3}, "the fitted cut's tuner ran a forward of its own"
+    cut_layers = [i for i, lp in enumerate(plan.layers) if lp.keep_channels is not None or lp.keep_groups is not None]
+    assert [f["layer"] for f in fast_tuner.figures] == [f["layer"] for f in slow_tuner.figures] == cut_layers
+    assert any(f["epoch"] > 0 for f in slow_tuner.figures), "no epoch was kept: the test would not see tuning"
+    for a, b in zip(fast_tuner.figures, slow_tuner.figures):
+        assert a["epoch"] == b["epoch"]
+        assert a["held_out_error_after"] == pytest.approx(b["held_out_error_after"], rel=1e-3, abs=1e-7)
+    ids = torch.cat(batches[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, slow(ids).logits, rtol=1e-3, atol=1e-3)

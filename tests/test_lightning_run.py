@@ -41,13 +41,16 @@ def _trainer(tmp_path, max_steps, callbacks, **kw):
                      num_sanity_val_steps=0, callbacks=callbacks, **kw)
 
 
-def test_lora_merge_preserves_function():
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_lora_merge_preserves_function(use_dora):
     model = tiny_model("llama")
-    peft_model = add_lora(model, LoRASettings(r=4, alpha=8, dropout=0.0))
+    peft_model = add_lora(model, LoRASettings(r=4, alpha=8, dropout=0.0, use_dora=use_dora))
+    magnitudes = [n for n, _ in peft_model.named_parameters() if "lora_magnitude_vector" in n]
+    assert bool(magnitudes) == use_dora  # DoRA adds a trained magnitude per adapted projection
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)  # B starts at zero; make the adapters do something
+            if "lora_B" in n or "lora_magnitude_vector" in n:
+                p.add_(torch.randn_like(p) * 0.05)  # B starts at zero (and DoRA's magnitude at the norms): move them
         ids = torch.randint(3, 128, (2, 10))
         before = peft_model(ids).logits
         merged = merge_lora(peft_model)
