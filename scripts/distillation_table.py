@@ -43,6 +43,11 @@ SETTINGS = {  # name -> command-line options of the recovery
     "ce_lr5e-4": ["--model.learning_rate=0.0005"],  # the job's rate until 2026-11-29
     "ce_lr1e-3": ["--model.learning_rate=0.001"],
     "ce_dora": ["--model.lora.use_dora=true"],
+    "ce_dropout0": ["--model.lora.dropout=0.0"],
+    # cosine decay to zero from twice the job's rate (the same mean rate as the constant 2e-4)
+    "ce_cosine_lr4e-4": ["--model.learning_rate=0.0004", "--model.lr_schedule=cosine"],
+    # the package's default distillation mix (alpha 0.5, T 1) at the job's rate
+    "kl_a0.5_T1": ["--model.distillation.alpha=0.5", "--model.distillation.temperature=1.0"],
     # pure distillation at 2e-3 (4x the job's rate of 5e-4 when it was measured): when the adapters move faster
     "kl_a1.0_T1_lr2e-3": ["--model.distillation.alpha=1.0", "--model.distillation.temperature=1.0",
                           "--model.learning_rate=0.002"],
@@ -53,6 +58,8 @@ SETTINGS = {  # name -> command-line options of the recovery
     "kl_r64": ["--model.lora.r=64", "--model.lora.alpha=128", "--model.distillation.alpha=1.0",
                "--model.distillation.temperature=1.0"],
     "ce_full": ["--model.recovery=full", "--model.learning_rate=0.0001"],
+    "ce_full_lr2e-5": ["--model.recovery=full", "--model.learning_rate=0.00002"],
+    "ce_full_lr1e-5": ["--model.recovery=full", "--model.learning_rate=0.00001"],
     # the same recovery on text of the evaluation's kind: WikiText-2 valid (the calibration file, never the test
     # file) instead of the job's general prose; how much of what recovery leaves is the text's domain
     "ce_wikitext2": [f"--data.train.path={SHARED / 'data' / 'wikitext2' / 'valid.txt'}"],
@@ -145,6 +152,8 @@ def table(out: Path) -> str:
                     f"{1 - d['alpha']:.2g} x CE")
             lr = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.learning_rate=")), None)
             loss += f", lr {lr}" if lr else ""
+            sched = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.lr_schedule=")), None)
+            loss += f", {sched} schedule" if sched else ""
         cells = [f"{r['ppl']:.2f}" for r in res] + _zeroshot_cells(full)
         rows.append(f"| {name} | {loss} | " + " | ".join(cells) + " |")
     cols = [f"{d} @{n}" for d, n in header or []] + zs_header
