@@ -126,6 +126,11 @@ def _zeroshot_cells(res: dict) -> list[str]:
     return [*cells, f"**{100 * avg['acc']:.1f}** ± {100 * (avg.get('acc_stderr') or 0):.1f}"] if avg else cells
 
 
+def _option(name: str, key: str) -> str | None:
+    """The value a setting passes for `--key`, or None when it leaves the job's own."""
+    return next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith(f"--{key}=")), None)
+
+
 def table(out: Path) -> str:
     """The markdown table of perplexities (and zero-shot) per model (dense, pruned, then one row per recovery loss)."""
     rows, header, zs_header = [], None, []
@@ -150,10 +155,10 @@ def table(out: Path) -> str:
             loss = (f"{rec['steps']} steps {how}, next-token CE" if not d else
                     f"{rec['steps']} steps {how}, {d['alpha']} x {d['loss']} (T={d['temperature']}) + "
                     f"{1 - d['alpha']:.2g} x CE")
-            lr = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.learning_rate=")), None)
-            loss += f", lr {lr}" if lr else ""
-            sched = next((o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("--model.lr_schedule=")), None)
-            loss += f", {sched} schedule" if sched else ""
+            lr, sched = _option(name, "model.learning_rate"), _option(name, "model.lr_schedule")
+            drop = _option(name, "model.lora.dropout")
+            loss += (f", lr {lr}" if lr else "") + (f", {sched} schedule" if sched else "")
+            loss += f", LoRA dropout {drop}" if drop else ""
         cells = [f"{r['ppl']:.2f}" for r in res] + _zeroshot_cells(full)
         rows.append(f"| {name} | {loss} | " + " | ".join(cells) + " |")
     cols = [f"{d} @{n}" for d, n in header or []] + zs_header
