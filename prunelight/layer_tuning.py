@@ -89,15 +89,16 @@ class LayerTuner:
         inputs of layer 0 are taken now and each layer's dense outputs before its cut."""
         with torch.no_grad():
             calls = layer_calls(self.base, self.family, self.batches, next(self.base.parameters()).device)
-        stream = [calls.hidden]
+        stream = calls.hidden
 
         def step(i: int, layer: nn.Module, shape, cuts) -> None:
+            nonlocal stream
             kw = [c[i] for c in calls.layer_kwargs]
             with torch.no_grad():
-                dense_out = run_layer(layer, stream[0], kw, {})
+                dense_out = run_layer(layer, stream, kw, {})
             cut_layer(i, layer, shape, cuts)
-            self.tune(i, layer, cuts, stream[0], dense_out, kw)
-            stream[0] = dense_out
+            self.tune(i, layer, cuts, stream, dense_out, kw)
+            stream = dense_out
 
         return step
 
