@@ -25,6 +25,7 @@ from prunelight.allocation import Budget, Shape, allocation_of
 from prunelight.importance import UnitScores
 from prunelight.layer_tuning import LayerTuner
 from prunelight.levels import cut_with_levels
+from prunelight.model_tuning import ModelTuner, dense_hidden, fits_in_memory
 from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan, validated_ridge
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
@@ -142,7 +143,16 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         if before_surgery is not None:
             before_surgery()
         t0 = time.perf_counter()
-        tuner = (LayerTuner(model, list(batches)[: settings.max_calibration_batches], settings.layer_tuning,
+        calib = list(batches)[: settings.max_calibration_batches]
+        tune_model = settings.reconstruct != "none" and settings.model_tuning.epochs > 0 and bool(calib)
+        skipped = None
+        if tune_model and not fits_in_memory(model, reduce_sum):
+            skipped = ("the decoder's float32 weights, gradients and Adam moments do not fit in half the free "
+                       "memory; set prune.model_tuning.epochs: 0 to silence this")
+            log.warning("model tuning skipped: %s", skipped)
+            tune_model = False
+        dense = dense_hidden(model, calib) if tune_model else None  # the dense model's targets, before the cut
+        tuner = (LayerTuner(model, calib, settings.layer_tuning,
                             reduce_sum, plan.drop_layers)
                  if settings.reconstruct != "none" and settings.layer_tuning.epochs else None)
         # A search's levels database already holds the repair of its plan; else fit layer by layer, each repaired.
@@ -161,6 +171,11 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         if tuner is not None:  # the repair's seconds without the tuning's, which has its own
             result.reconstruction["time_s"] = max(result.reconstruction["time_s"] - tuner.seconds, 0.0)
             result.reconstruction["tuning"] = tuner.summary()
+        if result.reconstruction is not None and dense is not None:
+            result.reconstruction["model_tuning"] = ModelTuner(model, calib, dense, settings.model_tuning,
+                                                               reduce_sum).tune()
+        elif result.reconstruction is not None and skipped:
+            result.reconstruction["model_tuning"] = {"skipped": skipped}
         result.cut = True
         result.times_s["surgery"] = time.perf_counter() - t0
     plan.levels = None  # the database (Grams of every layer) is not kept through recovery

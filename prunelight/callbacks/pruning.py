@@ -17,6 +17,7 @@ from prunelight.evaluation.run import RunEvaluator
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.layer_tuning import tuning_line
+from prunelight.model_tuning import model_tuning_line
 from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.run_plan import RunFacts, RunPlan, prepare_run
 from prunelight.saved import calibration_identity, scores_key
@@ -161,12 +162,17 @@ class PruningCallback(L.Callback):
 
 
 def _tuning_metrics(figures: dict | None) -> dict[str, float]:
-    """The layer tuning's mean held-out errors for the Lightning loggers (none when no layer was tuned)."""
+    """The layer and model tunings' held-out errors for the Lightning loggers (none for a tuning that did not run)."""
+    out = {}
     tuning = (figures or {}).get("tuning") or {}
-    if tuning.get("mean_held_out_error_after") is None:
-        return {}
-    return {"prune/tuning_held_out_error_before": tuning["mean_held_out_error_before"],
-            "prune/tuning_held_out_error_after": tuning["mean_held_out_error_after"]}
+    if tuning.get("mean_held_out_error_after") is not None:
+        out.update({"prune/tuning_held_out_error_before": tuning["mean_held_out_error_before"],
+                    "prune/tuning_held_out_error_after": tuning["mean_held_out_error_after"]})
+    model = (figures or {}).get("model_tuning") or {}
+    if model.get("held_out_kl_after") is not None:
+        out.update({"prune/model_tuning_held_out_kl_before": model["held_out_kl_before"],
+                    "prune/model_tuning_held_out_kl_after": model["held_out_kl_after"]})
+    return out
 
 
 def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
@@ -178,6 +184,8 @@ def _log_reconstruction(trainer: L.Trainer, figures: dict) -> None:
                  figures["rel_err_before_mean"], figures["rel_err_after_mean"], figures["tokens"], figures["time_s"])
     if trainer.is_global_zero and figures.get("tuning"):
         log.info("%s", tuning_line(figures["tuning"]))
+    if trainer.is_global_zero and figures.get("model_tuning"):
+        log.info("%s", model_tuning_line(figures["model_tuning"]))
 
 
 def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
