@@ -59,17 +59,7 @@ class LayerTuner:
         self.reduce_sum = reduce_sum
         self.drop = set(drop_layers)
         self.sizes = [b.shape[0] for b in self.batches]
-        # Whole batches are held out (a batch's masks and positions are built for its size), at least one trained;
-        # under DDP every rank holds out and trains on as many batches as the others, so their collectives pair up.
-        world = int(self._sum([1.0])[0])
-        held, n = 0, 0
-        while held < len(self.sizes) - 1 and n < math.ceil(tuning.holdout_sequences / world):
-            held += 1
-            n += self.sizes[-held]
-        held = self._min_over_ranks(held)
-        train = self._min_over_ranks(len(self.sizes) - held)
-        self.train_batches = list(range(train))
-        self.held_batches = list(range(len(self.sizes) - held, len(self.sizes)))
+        self.train_batches, self.held_batches = split_holdout(self.sizes, tuning.holdout_sequences, reduce_sum)
         self.figures: list[dict[str, Any]] = []
         self.seconds = 0.0
 
@@ -102,19 +92,6 @@ class LayerTuner:
 
         return step
 
-    def _min_over_ranks(self, n: int) -> int:
-        """The least `n` of all ranks, from a sum (a one-hot count per rank; counts above 4095 read as 4095)."""
-        if self.reduce_sum is None:
-            return n
-        hot = torch.zeros(4096, dtype=torch.float64)
-        hot[min(n, 4095)] = 1.0
-        return int(torch.nonzero(self.reduce_sum(hot))[0])
-
-    def _sum(self, values: list[float]) -> list[float]:
-        if self.reduce_sum is None:
-            return values
-        return self.reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
-
     def _tune(self, i: int, layer: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor],
               kwargs: list[dict]) -> dict[str, Any]:
         """Train `layer` on the training batches, keep the epoch of least held-out error; returns its figures."""
@@ -142,7 +119,7 @@ class LayerTuner:
                     y = targets[b].float()
                     err += float((out(b) - y).pow(2).sum())
                     own += float((y - inputs[b].float()).pow(2).sum())
-            err, own = self._sum([err, own])
+            err, own = sum_over_ranks([err, own], self.reduce_sum)
             if not math.isfinite(own):
                 raise FloatingPointError(f"layer tuning: the dense decoder layer {i} gives non-finite outputs on the "
                                          "held-out calibration batches")
@@ -160,15 +137,7 @@ class LayerTuner:
                 opt.zero_grad(set_to_none=True)
                 loss = (out(b) - targets[b].float()).pow(2).mean()
                 loss.backward()
-                total = float(loss.detach())
-                if self.reduce_sum is not None:  # every rank takes the same step (Adam ignores the sum's scale)
-                    # the loss travels with the gradients, so a non-finite loss on one rank stops every rank here
-                    # together instead of leaving the others waiting at this sum
-                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                    flat = self.reduce_sum(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)]))
-                    total = float(flat[-1])
-                    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
-                        p.grad = g.view_as(p).to(p.dtype)
+                total = sum_gradients(params, loss, self.reduce_sum)
                 if not math.isfinite(total):
                     summed = " (summed over the ranks)" if self.reduce_sum is not None else ""
                     raise FloatingPointError(
@@ -200,13 +169,59 @@ class LayerTuner:
             vals = [f[key] for f in self.figures if f[key] is not None]
             return sum(vals) / len(vals) if vals else None
 
-        train, held = self._sum([float(sum(self.sizes[b] for b in self.train_batches)),
-                                 float(sum(self.sizes[b] for b in self.held_batches))])  # all ranks
+        train, held = sum_over_ranks([float(sum(self.sizes[b] for b in self.train_batches)),
+                                      float(sum(self.sizes[b] for b in self.held_batches))], self.reduce_sum)
         return {"epochs": self.tuning.epochs, "lr": self.tuning.lr,
                 "train_sequences": int(train), "held_out_sequences": int(held),
                 "mean_held_out_error_before": mean("held_out_error_before"),
                 "mean_held_out_error_after": mean("held_out_error_after"),
                 "layers": self.figures, "time_s": self.seconds}
+
+
+def sum_over_ranks(values: list[float], reduce_sum: ReduceSum | None) -> list[float]:
+    """`values` summed over the ranks (as they are without DDP)."""
+    if reduce_sum is None:
+        return values
+    return reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+
+def split_holdout(sizes: Sequence[int], holdout_sequences: int, reduce_sum: ReduceSum | None = None
+                  ) -> tuple[list[int], list[int]]:
+    """(training, held-out) batch indices: the last whole batches holding at least `holdout_sequences` sequences (over
+    all ranks) held out, at least one batch trained. A batch's masks and positions are built for its size, so batches
+    are never split; under DDP every rank holds out and trains on as many batches as the others, so their
+    collectives pair up."""
+    world = int(sum_over_ranks([1.0], reduce_sum)[0])
+    held, n = 0, 0
+    while held < len(sizes) - 1 and n < math.ceil(holdout_sequences / world):
+        held += 1
+        n += sizes[-held]
+    held = _min_over_ranks(held, reduce_sum)
+    train = _min_over_ranks(len(sizes) - held, reduce_sum)
+    return list(range(train)), list(range(len(sizes) - held, len(sizes)))
+
+
+def _min_over_ranks(n: int, reduce_sum: ReduceSum | None) -> int:
+    """The least `n` of all ranks, from a sum (a one-hot count per rank; counts above 4095 read as 4095)."""
+    if reduce_sum is None:
+        return n
+    hot = torch.zeros(4096, dtype=torch.float64)
+    hot[min(n, 4095)] = 1.0
+    return int(torch.nonzero(reduce_sum(hot))[0])
+
+
+def sum_gradients(params: Sequence[nn.Parameter], loss: torch.Tensor, reduce_sum: ReduceSum | None) -> float:
+    """After `loss.backward()`: under DDP, every parameter's gradient replaced by its sum over ranks (every rank then
+    takes the same step; Adam ignores the sum's scale); returns the loss, summed over ranks under DDP. The loss
+    travels with the gradients, so a non-finite loss on one rank stops every rank together instead of leaving the
+    others waiting at this sum."""
+    if reduce_sum is None:
+        return float(loss.detach())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = reduce_sum(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)]))
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return float(flat[-1])
 
 
 def tuning_line(figures: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Model tuning: after the cut (and its layer tuning), train the whole cut decoder toward the dense model's
+"""Model tuning: after the cut (and its layer tuning, when on), train the whole cut decoder toward the dense model's
 next-token distributions on the calibration batches.
 
 The repair and the layer tuning are local: each layer is fitted to the dense layer's outputs from the dense layer's
@@ -17,11 +17,12 @@ of least held-out KL (the cut as it was when no epoch beats it), and the first e
 the tuning. The evaluation text is never read.
 
 Cost: `epochs` forward+backward passes of the whole model over the training batches, plus one dense forward pass
-(SmolLM2-135M at a 30% cut, 48 x 128 tokens: about 50 s per epoch on 2 CPU cores). Memory: the model in float32
+(SmolLM2-135M at a 20% cut, 48 x 128 tokens: about 35 s per epoch on 2 CPU cores). Memory: the model in float32
 while it trains (a bf16 weight would round Adam's small steps away), the decoder's gradients and Adam's two moments
 (16 bytes per decoder parameter in all) and the training activations of one calibration batch; when that does not
-fit in half the free memory the run skips the tuning and says so (Llama-3-8B on an 80 GB GPU). Under DDP every rank trains on its own batches with the gradients and held-out KL summed over
-ranks, so every rank writes the same weights.
+fit in half the free memory the run skips the tuning and says so (Llama-3-8B on an 80 GB GPU). Under DDP every
+rank trains on its own batches with the gradients and held-out KL summed over ranks, so every rank writes the same
+weights.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from prunelight.allocation.search import free_memory
 from prunelight.families import get_family, unwrap
+from prunelight.layer_tuning import split_holdout, sum_gradients, sum_over_ranks
 from prunelight.reconstruct import ReduceSum
 
 # share of the free memory the float32 weights, gradients and Adam moments may take
@@ -97,21 +99,9 @@ class ModelTuner:
         self.reduce_sum = reduce_sum
         self.device = next(self.base.parameters()).device
         sizes = [b.shape[0] for b in self.batches]
-        # whole batches are held out, at least one trained; every rank splits alike so its collectives pair up
-        world = int(self._sum([1.0])[0])
-        held, n = 0, 0
-        while held < len(sizes) - 1 and n < math.ceil(tuning.holdout_sequences / world):
-            held += 1
-            n += sizes[-held]
-        self.train_batches = list(range(len(sizes) - held))
-        self.held_batches = list(range(len(sizes) - held, len(sizes)))
-        self.sequences = self._sum([float(sum(sizes[b] for b in self.train_batches)),
-                                    float(sum(sizes[b] for b in self.held_batches))])
-
-    def _sum(self, values: list[float]) -> list[float]:
-        if self.reduce_sum is None:
-            return values
-        return self.reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+        self.train_batches, self.held_batches = split_holdout(sizes, tuning.holdout_sequences, reduce_sum)
+        self.sequences = sum_over_ranks([float(sum(sizes[b] for b in self.train_batches)),
+                                         float(sum(sizes[b] for b in self.held_batches))], reduce_sum)
 
     def _kl(self, b: int) -> tuple[torch.Tensor, int]:
         """Σ over positions of KL(dense || cut) on batch `b`, and the number of positions."""
@@ -132,7 +122,7 @@ class ModelTuner:
                 s, n = self._kl(b)
                 total += float(s)
                 count += n
-        total, count = self._sum([total, count])
+        total, count = sum_over_ranks([total, count], self.reduce_sum)
         return total / count
 
     def tune(self) -> dict[str, Any]:
@@ -179,13 +169,7 @@ class ModelTuner:
                     s, n = self._kl(b)
                     loss = s / n
                     loss.backward()
-                    total = float(loss.detach())
-                    if self.reduce_sum is not None:  # every rank takes the same step; the loss travels along
-                        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                        flat = self.reduce_sum(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)]))
-                        total = float(flat[-1])
-                        for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
-                            p.grad = g.view_as(p)
+                    total = sum_gradients(params, loss, self.reduce_sum)
                     if not math.isfinite(total):
                         raise FloatingPointError(
                             f"model tuning: the KL loss is {total} at epoch {epoch}; lower prune.model_tuning.lr "

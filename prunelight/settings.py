@@ -165,8 +165,9 @@ class LayerTuning:
 
 @dataclass
 class ModelTuning:
-    """After the layer tuning, the whole cut decoder trained toward the dense model's next-token distributions (KL) on
-    the calibration batches (`prunelight/model_tuning.py`; docs/methods.md, "Model tuning")."""
+    """After the repair (and the layer tuning, when on), the whole cut decoder trained toward the dense model's
+    next-token distributions (KL) on the calibration batches (`prunelight/model_tuning.py`; docs/methods.md, "Model
+    tuning")."""
 
     epochs: int = 2
     """Passes over the training batches (0: no tuning); the epoch of least held-out KL is kept, and the first epoch
