@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from prunelight.allocation.search import free_memory
+from prunelight.console import progress
 from prunelight.families import get_family, unwrap
 from prunelight.layer_tuning import split_holdout, sum_gradients, sum_over_ranks
 from prunelight.reconstruct import ReduceSum
+from prunelight.settings import ModelTuning
 
 # share of the free memory the float32 weights, gradients and Adam moments may take
 MEMORY_SHARE = 0.5
@@ -54,14 +56,14 @@ def dense_hidden(model: nn.Module, batches: Sequence[torch.Tensor]) -> list[torc
     device = next(base.parameters()).device
     seen: list[torch.Tensor] = []
     hook = family.final_norm(base).register_forward_hook(lambda _m, _i, out: seen.append(out.float()))
+    was_training = base.training
+    base.eval()
     try:
-        was_training = base.training
-        base.eval()
         for b in batches:
             base(input_ids=b.to(device), use_cache=False)
-        base.train(was_training)
     finally:
         hook.remove()
+        base.train(was_training)
     return seen
 
 
@@ -88,9 +90,8 @@ def fits_in_memory(model: nn.Module, reduce_sum: ReduceSum | None = None) -> boo
 class ModelTuner:
     """Trains the cut model toward the dense model's next-token distributions (`dense_hidden` targets)."""
 
-    def __init__(self, model: nn.Module, batches: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], tuning,
-                 reduce_sum: ReduceSum | None = None) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, batches: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                 tuning: ModelTuning, reduce_sum: ReduceSum | None = None) -> None:
         self.base = unwrap(model)
         self.head = get_family(self.base).logits_head(self.base)
         self.batches = list(batches)
@@ -162,7 +163,8 @@ class ModelTuner:
         best_epoch = epochs_run = 0
         history: list[float] = []
         opt = torch.optim.Adam(params, lr=self.tuning.lr)
-        with torch.enable_grad():
+        bar = progress(None, "model tuning", total=self.tuning.epochs * len(self.train_batches), unit="step")
+        with torch.enable_grad(), bar:
             for epoch in range(1, self.tuning.epochs + 1):
                 for b in self.train_batches:
                     opt.zero_grad(set_to_none=True)
@@ -175,12 +177,14 @@ class ModelTuner:
                             f"model tuning: the KL loss is {total} at epoch {epoch}; lower prune.model_tuning.lr "
                             f"({self.tuning.lr:g}) or set prune.model_tuning.epochs: 0")
                     opt.step()
+                    bar.update()
                 epochs_run = epoch
                 kl = self._held_kl()
                 if kl is None:  # one calibration batch: nothing held out, every epoch is kept
                     best_epoch = epoch
                     continue
                 history.append(kl)
+                bar.set_postfix(held_out_kl=f"{kl:.4f}")
                 if not kl < best:  # worse, equal or not finite: the previous epoch was the best
                     break
                 best, best_epoch = kl, epoch
