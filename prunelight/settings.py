@@ -142,6 +142,14 @@ class SplitSearch:
         _integer(f"{prefix}.patience", self.patience, 1)
 
 
+def _check_tuning(tuning: LayerTuning | ModelTuning, prefix: str) -> None:
+    """The checks the layer and model tunings share: `epochs`, `lr` and `holdout_sequences`."""
+    _integer(f"{prefix}.epochs", tuning.epochs, 0)
+    _number(f"{prefix}.lr", tuning.lr, 0.0, 1.0, True, True)
+    tuning.lr = float(tuning.lr)
+    _integer(f"{prefix}.holdout_sequences", tuning.holdout_sequences, 1)
+
+
 @dataclass
 class LayerTuning:
     """After the repair, each cut decoder layer trained to reproduce the dense layer's outputs on the calibration
@@ -157,10 +165,7 @@ class LayerTuning:
 
     def validate(self, prefix: str) -> None:
         """Check every field (called by PruneSettings)."""
-        _integer(f"{prefix}.epochs", self.epochs, 0)
-        _number(f"{prefix}.lr", self.lr, 0.0, 1.0, True, True)
-        self.lr = float(self.lr)
-        _integer(f"{prefix}.holdout_sequences", self.holdout_sequences, 1)
+        _check_tuning(self, prefix)
 
 
 @dataclass
@@ -180,10 +185,7 @@ class ModelTuning:
 
     def validate(self, prefix: str) -> None:
         """Check every field (called by PruneSettings)."""
-        _integer(f"{prefix}.epochs", self.epochs, 0)
-        _number(f"{prefix}.lr", self.lr, 0.0, 1.0, True, True)
-        self.lr = float(self.lr)
-        _integer(f"{prefix}.holdout_sequences", self.holdout_sequences, 1)
+        _check_tuning(self, prefix)
 
 
 @dataclass
