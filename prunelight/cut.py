@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, Shape, allocation_of
+from prunelight.allocation import Budget, CutInputs, Shape, allocation_of
+from prunelight.distributed import ReduceSum
 from prunelight.importance import UnitScores
 from prunelight.layer_tuning import LayerTuner
-from prunelight.levels import cut_with_levels
 from prunelight.model_tuning import ModelTuner, dense_hidden, fits_in_memory
-from prunelight.pipeline import ReduceSum, adopt_plan, load_plan_checked, make_plan, validated_ridge
+from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.record import CalibrationRecord, RunRecord
@@ -123,7 +123,7 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
     source = source or prepare_cut(model, run, twin=twin)
     if scores is not None:
         source = CutSource(plan=source.plan, budget=source.budget, saved=scores)
-    scores = None
+    scores = measured = None
     if source.plan is not None:
         plan, budget = adopt_plan(twin or model, source.plan, settings.plan)
         made = plan.meta["made_with"]
@@ -135,8 +135,9 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
             log.info("no scoring pass: unit scores from %s (%s, %d samples); %s", source.saved.source,
                      source.saved.key.get("criterion"), source.saved.samples, _repair_reads(settings, batches))
         budget = source.budget
-        plan, scores = make_plan(model, batches, settings, reduce_sum=reduce_sum, sharded=sharded, budget=budget,
-                                 saved=source.saved, shape=run.shape, state_dir=state_dir)
+        planned = make_plan(model, batches, settings, reduce_sum=reduce_sum, sharded=sharded, budget=budget,
+                            saved=source.saved, shape=run.shape, state_dir=state_dir)
+        plan, scores, measured = planned.plan, planned.scores, planned.measured
     result = CutResult(plan=plan, budget=budget, scores=scores, saved=source.saved)
     result.times_s["calibration_and_allocation"] = time.perf_counter() - t0
     if surgery:
@@ -155,18 +156,15 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
         tuner = (LayerTuner(model, calib, settings.layer_tuning,
                             reduce_sum, plan.drop_layers)
                  if settings.reconstruct != "none" and settings.layer_tuning.epochs else None)
-        # A search's levels database already holds the repair of its plan; else fit layer by layer, each repaired.
-        figures = (cut_with_levels(model, plan, plan.levels, settings, batches, reduce_sum, tuner)
-                   if plan.levels is not None else None)
+        # The row's own cut step, where it measured one (search: its levels database's refits); else the usual
+        # repair, layer by layer, with the repair settings the plan carries.
+        figures = (run.row.cut(CutInputs(model, plan, measured, settings, list(batches), reduce_sum,
+                                         tuner.wrap if tuner is not None else None))
+                   if measured is not None and run.row.cut is not None else None)
         if figures is None:
-            # A saved plan re-applied, or fewer calibration batches than the search's database (fast_dev_run,
-            # prune.max_calibration_batches): the refit is fitted again, with the ridge the search chose for it.
-            ridge = validated_ridge(plan)
-            if ridge is not None and ridge != settings.reconstruct_ridge:
-                log.info("the cut repairs with the ridge the search cross-validated for this plan, %.4g (the plan "
-                         "wins over prune.reconstruct_ridge=%s)", ridge, settings.reconstruct_ridge)
-                settings = dataclasses.replace(settings, reconstruct_ridge=ridge)
-            figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum, tuner=tuner)
+            settings = _with_plan_repair(settings, plan)
+            figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum,
+                                          tune=tuner.tune if tuner is not None else None)
         result.reconstruction = figures if settings.reconstruct != "none" else None
         if tuner is not None:  # the repair's seconds without the tuning's, which has its own
             result.reconstruction["time_s"] = max(result.reconstruction["time_s"] - tuner.seconds, 0.0)
@@ -178,8 +176,21 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
             result.reconstruction["model_tuning"] = {"skipped": skipped}
         result.cut = True
         result.times_s["surgery"] = time.perf_counter() - t0
-    plan.levels = None  # the database (Grams of every layer) is not kept through recovery
     return result
+
+
+def _with_plan_repair(settings: PruneSettings, plan: PrunePlan) -> PruneSettings:
+    """The settings with the repair the plan carries (`meta["repair"]`, e.g. a cross-validated ridge) in place of
+    their own, said in one line when they differ."""
+    repair = {k: v for k, v in (plan.meta.get("repair") or {}).items() if k != "chosen_by"}
+    changed = {k: v for k, v in repair.items() if getattr(settings, k) != v}
+    if not changed:
+        return settings
+    log.info("the cut repairs with the plan's %s (chosen by %s when the plan was made; the plan wins over the "
+             "settings' %s)", ", ".join(f"{k}={v:.4g}" for k, v in changed.items()),
+             (plan.meta.get("repair") or {}).get("chosen_by", "its allocation"),
+             ", ".join(f"{k}={getattr(settings, k)}" for k in changed))
+    return dataclasses.replace(settings, **changed)
 
 
 def alignment_advice(device: torch.device, settings: PruneSettings) -> str | None:

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelight.distributed import ReduceSum, split_holdout, sum_gradients, sum_over_ranks
 from prunelight.families import get_family, unwrap
-from prunelight.reconstruct import ReduceSum, layer_calls, run_layer
+from prunelight.reconstruct import layer_calls, run_layer
 from prunelight.surgery import LayerCut
 
 def _floated(value: Any) -> Any:
@@ -176,52 +177,6 @@ class LayerTuner:
                 "mean_held_out_error_before": mean("held_out_error_before"),
                 "mean_held_out_error_after": mean("held_out_error_after"),
                 "layers": self.figures, "time_s": self.seconds}
-
-
-def sum_over_ranks(values: list[float], reduce_sum: ReduceSum | None) -> list[float]:
-    """`values` summed over the ranks (as they are without DDP)."""
-    if reduce_sum is None:
-        return values
-    return reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
-
-
-def split_holdout(sizes: Sequence[int], holdout_sequences: int, reduce_sum: ReduceSum | None = None
-                  ) -> tuple[list[int], list[int]]:
-    """(training, held-out) batch indices: the last whole batches holding at least `holdout_sequences` sequences (over
-    all ranks) held out, at least one batch trained. A batch's masks and positions are built for its size, so batches
-    are never split; under DDP every rank holds out and trains on as many batches as the others, so their
-    collectives pair up."""
-    world = int(sum_over_ranks([1.0], reduce_sum)[0])
-    held, n = 0, 0
-    while held < len(sizes) - 1 and n < math.ceil(holdout_sequences / world):
-        held += 1
-        n += sizes[-held]
-    held = _min_over_ranks(held, reduce_sum)
-    train = _min_over_ranks(len(sizes) - held, reduce_sum)
-    return list(range(train)), list(range(len(sizes) - held, len(sizes)))
-
-
-def _min_over_ranks(n: int, reduce_sum: ReduceSum | None) -> int:
-    """The least `n` of all ranks, from a sum (a one-hot count per rank; counts above 4095 read as 4095)."""
-    if reduce_sum is None:
-        return n
-    hot = torch.zeros(4096, dtype=torch.float64)
-    hot[min(n, 4095)] = 1.0
-    return int(torch.nonzero(reduce_sum(hot))[0])
-
-
-def sum_gradients(params: Sequence[nn.Parameter], loss: torch.Tensor, reduce_sum: ReduceSum | None) -> float:
-    """After `loss.backward()`: under DDP, every parameter's gradient replaced by its sum over ranks (every rank then
-    takes the same step; Adam ignores the sum's scale); returns the loss, summed over ranks under DDP. The loss
-    travels with the gradients, so a non-finite loss on one rank stops every rank together instead of leaving the
-    others waiting at this sum."""
-    if reduce_sum is None:
-        return float(loss.detach())
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = reduce_sum(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)]))
-    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
-        p.grad = g.view_as(p).to(p.dtype)
-    return float(flat[-1])
 
 
 def tuning_line(figures: dict[str, Any]) -> str:

@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prunelight.allocation.search import free_memory
 from prunelight.console import progress
+from prunelight.distributed import ReduceSum, split_holdout, sum_gradients, sum_over_ranks
 from prunelight.families import get_family, unwrap
-from prunelight.layer_tuning import split_holdout, sum_gradients, sum_over_ranks
-from prunelight.reconstruct import ReduceSum
+from prunelight.memory import free_memory
 from prunelight.settings import ModelTuning
 
 # share of the free memory the float32 weights, gradients and Adam moments may take

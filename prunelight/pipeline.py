@@ -8,8 +8,10 @@ applies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ from prunelight.allocation.budget import plan_meta, plan_params_removed
 from prunelight.allocation.split_search import masked, search_split
 from prunelight.calibration import run_calibration
 from prunelight.console import progress
-from prunelight.distributed import mean_over_ranks
+from prunelight.distributed import ReduceSum, mean_over_ranks
 from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.families import unwrap
 from prunelight.importance import UnitScores, build_criterion
@@ -29,7 +31,16 @@ from prunelight.plan import PrunePlan
 from prunelight.saved import SavedScores, check_plan_fits, check_scores_cover, load_plan, model_facts
 from prunelight.settings import PruneSettings
 
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Planned:
+    """`make_plan`'s answer: the plan, the unit scores it was allocated from, and what the allocation row measured
+    (None for a row without a measurement), which the row's own cut step reads."""
+
+    plan: PrunePlan
+    scores: UnitScores
+    measured: Any = None
 
 
 def make_plan(
@@ -42,7 +53,7 @@ def make_plan(
     saved: SavedScores | None = None,
     shape: Shape = Shape.FREE,
     state_dir: Path | None = None,
-) -> tuple[PrunePlan, UnitScores]:
+) -> Planned:
     """Score every unit of `model` on `batches` with the settings' criterion and allocate its budget.
 
     `reduce_sum` sums statistics over ranks (DDP, DeepSpeed). `sharded` is for ZeRO-3 partitioned
@@ -88,7 +99,6 @@ def make_plan(
                     shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, measured=measured)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
-    plan.levels = getattr(measured, "levels", None)  # a search's refits: the cut writes them (levels.cut_with_levels)
     if saved is not None:
         plan.meta["scores_source"] = saved.source
     if layer_measured:
@@ -101,7 +111,7 @@ def make_plan(
             plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
         if groups_kept is not None:  # the served layout's group count was chosen by the search
             plan.meta["served_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
-    return plan, scores
+    return Planned(plan, scores, measured)
 
 
 def scoring_pass(model: nn.Module, batches: Sequence[torch.Tensor], settings: PruneSettings,
@@ -123,10 +133,10 @@ def load_plan_checked(model: nn.Module, source: str) -> PrunePlan:
 def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> tuple[PrunePlan, Budget]:
     """A saved plan as this run's plan: budget figures recounted on `model`, how it was made kept (no scoring).
 
-    The plan wins over the settings' ratio, criterion and allocation; its figures say what it removes here.
+    The plan wins over the settings' ratio, criterion and allocation, and its repair (`meta["repair"]`: settings the
+    allocation chose for the cut's repair) over the settings'; its figures say what it removes here.
     """
     made = plan.meta
-    ridge = validated_ridge(plan)
     budget = make_budget(model, PruneSettings())
     removed = plan_params_removed(budget, plan)
     budget = dataclasses.replace(budget, target=removed, ratio=removed / budget.total)
@@ -137,18 +147,9 @@ def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> 
                 "samples": 0, "applies_to": model_facts(model), "plan_source": source,
                 "made_with": {k: made.get(k) for k in ("criterion", "allocation", "ratio", "target", "scores_source")
                               if made.get(k) is not None}}
-    if ridge is not None:  # the repair is part of the plan: re-applied, it gives the model the run wrote
-        out.meta["made_with"]["ridge_cv"] = {"chosen_by": "cv", "ridge": ridge}
+    if made.get("repair"):  # the repair is part of the plan: re-applied, it gives the model the run wrote
+        out.meta["repair"] = dict(made["repair"])
     return out, budget
-
-
-def validated_ridge(plan: PrunePlan) -> float | None:
-    """The least-squares ridge the search cross-validated for this plan (`cut_ridge: cv`), else None."""
-    if plan.levels is not None and plan.levels.ridge_validated:
-        return float(plan.levels.ridge)
-    meta = plan.meta
-    cv = (meta.get("search") or {}).get("ridge_cv") or (meta.get("made_with") or {}).get("ridge_cv") or {}
-    return float(cv["ridge"]) if cv.get("chosen_by") == "cv" and cv.get("ridge") is not None else None
 
 
 def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSettings, reduce_sum: ReduceSum | None,

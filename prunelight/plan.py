@@ -7,7 +7,6 @@ re-applied on load to rebuild the pruned shapes before a state dict is restored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -27,9 +26,6 @@ class PrunePlan:
     num_channels: list[int]  # original MLP channels per layer
     meta: dict = field(default_factory=dict)
     drop_layers: list[int] = field(default_factory=list)  # whole layers removed (depth pruning), original indices
-    # In memory only, never saved: the levels database a `search` allocation measured, whose refits are this plan's
-    # repair (the cut writes them instead of fitting again, `levels.cut_with_levels`); dropped after the cut.
-    levels: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

@@ -49,26 +49,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from prunelight.distributed import ReduceSum
 from prunelight.families import LayerShape, ModelFamily, get_family, unwrap
 from prunelight.obs import damping, greedy_removal
 from prunelight.plan import PrunePlan
 from prunelight.surgery import apply_plan, check_plan
 
-if TYPE_CHECKING:  # the hint only: layer_tuning imports this module
-    from prunelight.layer_tuning import LayerTuner
 
 RECONSTRUCTIONS = ("none", "bias", "least_squares", "obs")
 FIT_INPUT_CHOICES = ("dense", "pruned")
 # Dense inputs gave the lower calibration and held-out NLL on both reference models and on SmolLM2, at half the
 # passes and a quarter of the stored activations (docs/methods.md, Reconstruction).
 FIT_INPUTS = "dense"
+# A step run after each layer's cut with the layer's dense inputs and outputs (per calibration batch) and its call
+# arguments: (layer index, the cut layer, its cuts, inputs, outputs, kwargs); the layer tuning's `LayerTuner.tune`.
+LayerTune = Callable[[int, nn.Module, list, list[torch.Tensor], list[torch.Tensor], list[dict]], None]
 
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 _CHUNK_ELEMENTS = 1 << 24  # fp32 elements per token chunk when accumulating (64 MB), whatever the width
 
 
@@ -376,13 +377,13 @@ def _layer_pruned_inputs(job: _Job, i: int, layer: nn.Module, shape: LayerShape,
 
 def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor], settings,
                         reduce_sum: ReduceSum | None = None, inputs: str = FIT_INPUTS,
-                        tuner: LayerTuner | None = None) -> dict[str, Any]:
+                        tune: LayerTune | None = None) -> dict[str, Any]:
     """Cut `model` in place to `plan` and repair the cut sub-blocks (`settings.reconstruct`) on calibration `batches`.
 
     Layers are cut one at a time, in order, after their statistics are gathered (the dense layer is gone
     afterwards). `reduce_sum` sums the statistics over ranks (DDP), so every rank writes the same weights.
-    `inputs` is "dense" or "pruned" (see the module docstring). `tuner` tunes each layer after its cut, on the
-    dense layer's inputs and outputs this fit computes anyway. Returns the figures for the run record:
+    `inputs` is "dense" or "pruned" (see the module docstring). `tune` (the layer tuning's `LayerTuner.tune`) tunes
+    each layer after its cut, on the dense layer's inputs and outputs this fit computes anyway. Returns the figures for the run record:
     per cut sub-block the relative output error Σ||ŷ - y||² / Σ||y||² on the calibration tokens before
     and after the repair, their means, tokens and time.
     """
@@ -421,11 +422,11 @@ def cut_and_reconstruct(model: nn.Module, plan: PrunePlan, batches: Sequence[tor
                 else:
                     streams["dense"], streams["pruned"] = _layer_pruned_inputs(job, i, layer, shape, cuts, kw,
                                                                                dense_in, streams["pruned"])
-                if tuner is not None:  # the dense inputs and outputs just computed are the tuning's data
-                    tuner.tune(i, layer, cuts, dense_in, streams["dense"], kw)
+                if tune is not None:  # the dense inputs and outputs just computed are the tuning's data
+                    tune(i, layer, cuts, dense_in, streams["dense"], kw)
 
             apply_plan(base, plan, cut_layer,
-                       desc=f"reconstruction ({method}{' + layer tuning' if tuner is not None else ''})")
+                       desc=f"reconstruction ({method}{' + layer tuning' if tune is not None else ''})")
     finally:
         base.train(was_training)
     if method == "bias":
@@ -440,7 +441,7 @@ def _summary(job: _Job, inputs: str, seconds: float) -> dict[str, Any]:
 
 def summary(method: str, inputs: str, tokens: int, figs: list[dict[str, Any]], seconds: float,
             ridge: float) -> dict[str, Any]:
-    """The run-record figures of a repair from its per-sub-block errors (also `levels.cut_with_levels`')."""
+    """The run-record figures of a repair from its per-sub-block errors (also a row's own cut step's, e.g. the search's refits)."""
     def mean(key: str) -> float | None:
         return sum(f[key] for f in figs) / len(figs) if figs else None
 

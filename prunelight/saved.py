@@ -327,7 +327,20 @@ def load_plan(path: str | Path, option: str = "prune.plan") -> tuple[PrunePlan, 
         plan = PrunePlan.from_dict(raw)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{option}={str(path)!r} holds a malformed plan: {err}") from None
+    _legacy_repair(plan.meta)
     return plan, plan.meta.get("applies_to")
+
+
+def _legacy_repair(meta: dict[str, Any]) -> None:
+    """Plans written before `meta["repair"]` existed kept a cross-validated ridge under `search.ridge_cv` (or, when
+    re-applied, `made_with.ridge_cv`): read it as the plan's repair, so they re-apply as they did."""
+    if "repair" in meta:
+        return
+    for section in ("search", "made_with"):
+        cv = (meta.get(section) or {}).get("ridge_cv") or {}
+        if cv.get("chosen_by") == "cv" and cv.get("ridge") is not None:
+            meta["repair"] = {"reconstruct_ridge": float(cv["ridge"]), "chosen_by": "cv"}
+            return
 
 
 def check_plan_fits(plan: PrunePlan, applies_to: dict[str, Any] | None, facts: dict[str, Any], source: str,

@@ -52,6 +52,8 @@ def layer_cuts(lp: LayerPlan, shape: LayerShape) -> list[tuple[str, list[int]]]:
 
 
 LayerCut = Callable[[int, nn.Module, LayerShape, list[tuple[str, list[int]]]], None]
+# A per-layer cut step wrapped with more work around it (the layer tuning's `LayerTuner.wrap`).
+LayerWrap = Callable[[LayerCut], LayerCut]
 
 
 def apply_plan(model: nn.Module, plan: PrunePlan, cut_layer: LayerCut | None = None,

@@ -184,7 +184,7 @@ def test_auto_split_in_make_plan(setup, monkeypatch):
 
     monkeypatch.setattr(pipeline, "calibration_nll", spy)
     settings = settings_of(0.3, attn_mlp_split="auto", split_search={"step": 0.25, "fine_step": 0.125})
-    plan, _ = make_plan(model, batches, settings)
+    plan = make_plan(model, batches, settings).plan
     search = plan.meta["split_search"]
     assert plan.meta["attn_share_target"] == search["best"]
     assert min(t["calibration_nll"] for t in search["tried"]) == pytest.approx(
@@ -259,7 +259,7 @@ def test_layerwise_on_reference_model(ref_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
     batches = [torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))]
-    plan, _ = make_plan(model, batches, settings_of(0.2, allocation="layerwise", alpha=2.0))
+    plan = make_plan(model, batches, settings_of(0.2, allocation="layerwise", alpha=2.0)).plan
     budget = make_budget(model, PruneSettings(ratio=0.2))
     assert budget.target <= plan.meta["params_removed"] < budget.target + _max_unit(budget)
     imp = plan.meta["layer_importance"]["block_influence"]

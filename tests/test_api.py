@@ -54,7 +54,8 @@ def test_prune_from_saved_scores_equals_scoring_and_refuses_other_weights(tmp_pa
     model = tiny_model()
     batches = prunelight.api.as_batches(_calibration())
     s = prunelight.PruneSettings(ratio=0.2, reconstruct="none", allocation="global")
-    plan0, scores = make_plan(model, batches, s)
+    planned = make_plan(model, batches, s)
+    plan0, scores = planned.plan, planned.scores
     options = {"ratio": 0.2, "reconstruct": "none", "allocation": "global", "scores": str(tmp_path / "scores.pt")}
     save_scores(tmp_path / "scores.pt", scores, scores_key(model, s, calibration_identity(settings=s)))
     _, plan = prunelight.prune(tiny_model(), options)  # global: no calibration text needed at all
@@ -63,7 +64,7 @@ def test_prune_from_saved_scores_equals_scoring_and_refuses_other_weights(tmp_pa
         prunelight.prune(tiny_model(seed=2), options)
     # the default (calibrated) re-allocates the same saved scores with its probes on the calibration text given
     calibrated = {**options, "allocation": "calibrated"}
-    direct, _ = make_plan(tiny_model(), batches, prunelight.PruneSettings(**{**calibrated, "scores": None}))
+    direct = make_plan(tiny_model(), batches, prunelight.PruneSettings(**{**calibrated, "scores": None})).plan
     _, plan = prunelight.prune(tiny_model(), calibrated, _calibration())
     assert plan.to_dict()["layers"] == direct.to_dict()["layers"] and "probes" in plan.meta
     with pytest.raises(ValueError, match="measures on calibration text"):

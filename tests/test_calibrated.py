@@ -72,8 +72,8 @@ def test_probe_slices_are_the_lowest_scores_at_the_operating_point(setup):
 def test_plan_meets_budget_respects_caps_and_cuts_as_masked(setup, ratio):
     model, batches, _ = setup
     settings = PruneSettings(ratio=ratio, allocation="calibrated")
-    plan, _ = make_plan(model, batches, settings)
-    again, _ = make_plan(model, batches, settings)
+    plan = make_plan(model, batches, settings).plan
+    again = make_plan(model, batches, settings).plan
     assert plan.to_dict()["layers"] == again.to_dict()["layers"], "same data, same plan"
     budget = make_budget(model, settings)
     cut = copy.deepcopy(model)
@@ -261,10 +261,10 @@ def test_the_split_search_and_saved_scores_work_with_calibrated(setup, tmp_path)
 
     model, batches, scores = setup
     auto = PruneSettings(ratio=0.3, allocation="calibrated", attn_mlp_split="auto", reconstruct="none")
-    plan, _ = make_plan(model, batches, auto)
+    plan = make_plan(model, batches, auto).plan
     assert plan.meta["split_search"]["tried"] and "probes" in plan.meta
     settings = PruneSettings(ratio=0.3, allocation="calibrated", reconstruct="none")
-    direct, _ = make_plan(model, batches, settings)
+    direct = make_plan(model, batches, settings).plan
     path = tmp_path / "scores.pt"
     save_scores(path, scores, scores_key(model, settings, {}))
     again = run_cut(copy.deepcopy(model), batches, PruneSettings(**{**settings.as_dict(), "scores": str(path)}),
@@ -310,6 +310,6 @@ def test_measured_scores_are_re_allocated_with_probes_on_the_given_batches(setup
     settings = PruneSettings(allocation="calibrated", ratio=0.3, reconstruct="none")
     work = copy.deepcopy(model)
     plan = run_cut(work, batches, settings, scores=measured_scores(scores), surgery=False).plan
-    direct, _ = make_plan(copy.deepcopy(model), batches, settings)
+    direct = make_plan(copy.deepcopy(model), batches, settings).plan
     assert plan.meta["allocation"] == "calibrated" and plan.meta["probes"]["loss"] == direct.meta["probes"]["loss"]
     assert plan.meta["params_removed"] == direct.meta["params_removed"]

@@ -90,7 +90,7 @@ def test_skeletons_are_built_while_transformers_sees_zero3():
     from prunelight.recovery import LoRASettings, add_lora
 
     model = tiny_model("llama")
-    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
+    plan = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global")).plan
     ref = copy.deepcopy(model)
     apply_plan(ref, plan)
     handle = HfDeepSpeedConfig(deepspeed_config(stage=3))
@@ -146,8 +146,8 @@ def test_gathered_scores_equal_direct_magnitude(tiny):
 def test_plan_under_sharding_equals_plain_plan(criterion):
     model = tiny_model("llama")
     batches = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    plain, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global"))
-    sharded, _ = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global"), sharded=True)
+    plain = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global")).plan
+    sharded = make_plan(model, batches, PruneSettings(ratio=0.3, criterion=criterion, allocation="global"), sharded=True).plan
     assert not plain.is_identity()
     assert sharded.to_dict()["layers"] == plain.to_dict()["layers"]
     assert sharded.meta["params_removed"] == plain.meta["params_removed"]
@@ -171,15 +171,15 @@ def test_the_run_plan_refuses_options_that_write_partitioned_weights():
     prepare_run(settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3", reconstruct="none"), config=config,
                 run=zero3_run)
     model = tiny_model("llama")
-    plain, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"))
-    fixed, _ = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"), sharded=True)
+    plain = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3")).plan
+    fixed = make_plan(model, [], settings_of(0.3, criterion="magnitude", attn_mlp_split="1:3"), sharded=True).plan
     assert fixed.to_dict()["layers"] == plain.to_dict()["layers"]
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_gathered_pruned_copy_equals_cut_model(family, tie):
     model = tiny_model(family, tie_word_embeddings=tie)
-    plan, _ = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
+    plan = make_plan(model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global")).plan
     assert set(gathered_state_dict(model)) == set(model.state_dict())
     cut = gathered_pruned_copy(model, plan)
     ref = copy.deepcopy(model)
@@ -329,7 +329,7 @@ def test_full_recovery_checkpoint_keeps_all_weights(tmp_path, monkeypatch):
 
     lm = PruneLM(pretrained=str(make_tiny_checkpoint(tmp_path / "m")), recovery="full")
     lm.configure_model()
-    plan, _ = make_plan(lm.base_model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global"))
+    plan = make_plan(lm.base_model, [], PruneSettings(ratio=0.3, criterion="magnitude", allocation="global")).plan
     lm.apply_plan(plan)
     lm.start_recovery()
     ckpt = {"state_dict": lm.state_dict()}

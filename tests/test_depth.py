@@ -105,7 +105,7 @@ def test_depth_allocation_drops_the_least_influential_layer():
         model.model.layers[2].self_attn.o_proj.weight.zero_()
         model.model.layers[2].mlp.down_proj.weight.zero_()
     batches = [torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))]
-    plan, _ = make_plan(model, batches, settings_of(0.22, allocation="depth", fill_width=False))
+    plan = make_plan(model, batches, settings_of(0.22, allocation="depth", fill_width=False)).plan
     assert plan.drop_layers == [2]
     assert plan.meta["layer_importance"]["block_influence"][2] < 1e-6
     before = sum(p.numel() for p in model.parameters())

@@ -96,7 +96,8 @@ def one_process(ddp_run):
     dm.setup("fit")
     lm = PruneLM(pretrained=str(tmp / "model"), dtype="float32")
     lm.configure_model()
-    plan, scores = make_plan(lm.base_model, dm.calibration_batches(0, 1), PruneSettings(ratio=RATIO))
+    planned = make_plan(lm.base_model, dm.calibration_batches(0, 1), PruneSettings(ratio=RATIO))
+    plan, scores = planned.plan, planned.scores
     lm.apply_plan(plan)
     return plan, scores, lm.base_model.state_dict()
 

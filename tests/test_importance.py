@@ -210,7 +210,7 @@ def test_every_criterion_drives_a_plan_that_meets_the_budget(name):
     from prunelight.settings import PruneSettings
 
     model = tiny_model("qwen2")
-    plan, _ = make_plan(model, list(torch.split(_ids(), 2)), PruneSettings(ratio=0.2, criterion=name))
+    plan = make_plan(model, list(torch.split(_ids(), 2)), PruneSettings(ratio=0.2, criterion=name)).plan
     assert plan.meta["criterion"] == name
     assert plan.meta["params_removed"] >= plan.meta["params_target_removed"]
     assert plan.meta["removed_fraction_total"] < 0.3

@@ -68,7 +68,7 @@ def _held_error(cut_model, dense_calls, i: int, held: list[int]) -> float:
 def _cut(model, plan, batches, tuning: LayerTuning | None, reduce_sum=None, all_batches=None):
     settings = settings_of(0.4, reconstruct="least_squares")
     tuner = LayerTuner(model, batches, tuning, reduce_sum, plan.drop_layers) if tuning is not None else None
-    figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum, tuner=tuner)
+    figures = cut_and_reconstruct(model, plan, batches, settings, reduce_sum, tune=tuner.tune if tuner else None)
     return figures, tuner
 
 
@@ -244,7 +244,7 @@ def test_both_cuts_tune_to_the_same_model_and_the_fitted_one_reuses_its_dense_pa
     same plan fitted again (`cut_and_reconstruct`: the tuner gets the fit's dense inputs and outputs, and runs no
     forward of its own) tune to the same model with the same figures."""
     import prunelight.layer_tuning as layer_tuning
-    from prunelight.levels import cut_with_levels
+    from prunelight.allocation.search.repair import cut_with_levels
     from prunelight.pipeline import make_plan
 
     counts = {"layer_calls": 0, "run_layer": 0}
@@ -261,15 +261,16 @@ def test_both_cuts_tune_to_the_same_model_and_the_fitted_one_reuses_its_dense_pa
     batches = _batches()
     settings = settings_of(0.4, criterion="flap", allocation="search", reconstruct="least_squares", allocation_args={
         "generations": 2, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8, "cut_ridge": "fixed"})
-    plan, _ = make_plan(model, batches, settings)
+    planned = make_plan(model, batches, settings)
+    plan, db = planned.plan, planned.measured.levels
     tuning = LayerTuning(epochs=6, lr=3e-4, holdout_sequences=8)
     fast, slow = copy.deepcopy(model), copy.deepcopy(model)
     fast_tuner = LayerTuner(fast, batches, tuning, None, plan.drop_layers)
-    assert cut_with_levels(fast, plan, plan.levels, settings, batches, tuner=fast_tuner)["from"] == "levels_database"
+    assert cut_with_levels(fast, plan, db, settings, batches, wrap=fast_tuner.wrap)["from"] == "levels_database"
     assert counts == {"layer_calls": 1, "run_layer": 3}  # one embedding pass, one dense forward per layer
     slow_tuner = LayerTuner(slow, batches, tuning, None, plan.drop_layers)
     cut_and_reconstruct(slow, copy.deepcopy(plan), batches, settings_of(0.4, reconstruct="least_squares"),
-                        tuner=slow_tuner)
+                        tune=slow_tuner.tune)
     assert counts == {"layer_calls": 1, "run_layer": 3}, "the fitted cut's tuner ran a forward of its own"
     cut_layers = [i for i, lp in enumerate(plan.layers) if lp.keep_channels is not None or lp.keep_groups is not None]
     assert [f["layer"] for f in fast_tuner.figures] == [f["layer"] for f in slow_tuner.figures] == cut_layers

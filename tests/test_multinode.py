@@ -148,8 +148,8 @@ def one_process(straight, shared):
     dm.setup("fit")
     lm = PruneLM(pretrained=model, dtype="float32")
     lm.configure_model()
-    plan, _ = make_plan(lm.base_model, dm.calibration_batches(0, 1),
-                        PruneSettings(**report["calibration"]["settings"]))
+    plan = make_plan(lm.base_model, dm.calibration_batches(0, 1),
+                        PruneSettings(**report["calibration"]["settings"])).plan
     return plan
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from prunelight.allocation.budget import make_budget
-from prunelight.allocation.search import SearchOptions
+from prunelight.allocation.search.options import SearchOptions
 from prunelight.importance import build_criterion
-from prunelight.levels import KFAC_SHRINK, build_database, metric_weight, output_fishers, sampled_labels
+from prunelight.allocation.search.levels import KFAC_SHRINK, build_database, metric_weight, output_fishers, sampled_labels
 from prunelight.obs import damping, greedy_removal
 from prunelight.testing import settings_of, tiny_model
 

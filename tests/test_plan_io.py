@@ -38,7 +38,8 @@ def _batches(n: int = 2, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _scored(model, settings, tmp_path: Path):
-    plan, scores = pipeline.make_plan(model, _batches(), settings)
+    planned = pipeline.make_plan(model, _batches(), settings)
+    plan, scores = planned.plan, planned.scores
     key = scores_key(model, settings, calibration_identity(settings=settings, source="random", num_samples=8))
     path = save_scores(tmp_path / SCORES_FILE, scores, key, layer_importance=plan.meta.get("layer_importance"),
                        block_importance=plan.meta.get("block_importance"), samples=plan.meta["samples"])
@@ -75,7 +76,8 @@ def test_reallocation_from_saved_scores_runs_no_scoring_and_equals_in_memory(tmp
     saved = load_scores(path)
     _no_scoring(monkeypatch)
     s3 = settings_of(0.3, allocation=allocation, reconstruct="none", scores=str(path))
-    plan, got = pipeline.make_plan(model, [], s3, saved=saved)
+    planned = pipeline.make_plan(model, [], s3, saved=saved)
+    plan, got = planned.plan, planned.scores
     ref = allocate(precheck(model, s3), scores, s3,
                    layer_scores=saved.layer_importance["block_influence"] if allocation == "layerwise" else None)
     assert plan.to_dict()["layers"] == ref.to_dict()["layers"]
@@ -132,7 +134,7 @@ def test_foreign_and_missing_files_are_refused(tmp_path):
 
 # --- plans -------------------------------------------------------------------------------------
 def _plan_of(model, ratio: float = 0.3):
-    plan, _ = pipeline.make_plan(model, _batches(), settings_of(ratio, criterion="magnitude", reconstruct="none"))
+    plan = pipeline.make_plan(model, _batches(), settings_of(ratio, criterion="magnitude", reconstruct="none")).plan
     return plan
 
 

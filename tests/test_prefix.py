@@ -1,4 +1,4 @@
-"""Running a decoder from a cached layer input (`prunelight.prefix`) and the search fitness that relies on it."""
+"""Running a decoder from a cached layer input (`prunelight.allocation.prefix`) and the search fitness that relies on it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from prunelight.allocation.search import KLFitness, LevelSpace
+from prunelight.allocation.search.fitness import KLFitness
+from prunelight.allocation.search.space import LevelSpace
 from prunelight.families import get_family
-from prunelight.prefix import recorded_inputs, started_at
+from prunelight.allocation.prefix import recorded_inputs, started_at
 from prunelight.testing import FAMILIES, tiny_model
 from tests.test_search import _batches, _setup
 

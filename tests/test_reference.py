@@ -31,7 +31,7 @@ def ref(ref_model_dir, shared):
 
 def test_taylor_plan_cut_equals_mask_on_reference(ref):
     model, _, calib, evalb = ref
-    plan, _ = make_plan(model, calib, PruneSettings(ratio=0.2, criterion="taylor"))
+    plan = make_plan(model, calib, PruneSettings(ratio=0.2, criterion="taylor")).plan
     masked = copy.deepcopy(model)
     mask_units(masked, plan)
     cut = copy.deepcopy(model)
@@ -47,7 +47,7 @@ def test_taylor_beats_random_and_export_reloads(ref, tmp_path):
     results = {}
     for criterion in ("taylor", "random"):
         pruned = copy.deepcopy(model)
-        plan, _ = make_plan(pruned, calib, PruneSettings(ratio=0.2, criterion=criterion, allocation="global"))
+        plan = make_plan(pruned, calib, PruneSettings(ratio=0.2, criterion=criterion, allocation="global")).plan
         apply_plan(pruned, plan)
         results[criterion] = evaluate_perplexity(pruned, evalb)["ppl"]
         if criterion == "taylor":

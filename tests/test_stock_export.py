@@ -216,7 +216,7 @@ def test_reference_model_stock_export_loads_clean(ref_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(ref_model_dir, dtype=torch.float32).eval()
     settings = PruneSettings(ratio=0.2, criterion="magnitude", allocation="global", reconstruct="none",
                              align_channels=64)
-    plan, _ = make_plan(model, [], settings, shape=Shape.UNIFORM)
+    plan = make_plan(model, [], settings, shape=Shape.UNIFORM).plan
     assert 0 <= plan.meta["budget_error_params"] < 8 * 64 * 3 * 256
     apply_plan(model, plan)
     folder = export_pretrained(model, tmp_path / "ref", format="stock")

@@ -30,13 +30,14 @@ whole structures only (within one structure).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from prunelight.allocation.base import Allocation, AllocationInputs, MeasureInputs, Removal, Shape
+from prunelight.allocation.base import Allocation, AllocationInputs, CutInputs, MeasureInputs, Removal, Shape
 from prunelight.allocation.budget import (
     Budget,
+    CutSettings,
     build_plan,
     check_scores,
     count_params,
@@ -52,14 +53,11 @@ from prunelight.allocation.shapes import SHAPES, format_of_shape, shape_of_forma
 from prunelight.importance.base import UnitScores
 from prunelight.plan import PrunePlan
 
-if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
-    from prunelight.settings import PruneSettings
-
-__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "MeasureInputs", "Removal", "Shape", "allocate",
+__all__ = ["ALLOCATIONS", "Allocation", "AllocationInputs", "Budget", "CutInputs", "CutSettings", "MeasureInputs", "Removal", "Shape", "allocate",
            "allocation_of", "check_shape", "count_params", "decoder_params", "make_budget", "precheck", "register", "shape_of_format"]
 
 
-def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
+def check_shape(settings: CutSettings, shape: Shape = Shape.FREE) -> None:
     """Settings-only refusals of a shape constraint: the allocation must honour it, and the shape's own checks."""
     row = allocation_of(settings.allocation)
     if shape not in row.by_shape:
@@ -68,7 +66,7 @@ def check_shape(settings: PruneSettings, shape: Shape = Shape.FREE) -> None:
     SHAPES[shape].check_settings(settings)
 
 
-def precheck(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FREE) -> Budget:
+def precheck(model: nn.Module, settings: CutSettings, shape: Shape = Shape.FREE) -> Budget:
     """Measure the model once and refuse settings its sizes cannot meet (model sizes only: before any data).
 
     Runs the shape constraint's config check, the allocation's pre-check and the shape's size check; the settings
@@ -89,7 +87,7 @@ def precheck(model: nn.Module, settings: PruneSettings, shape: Shape = Shape.FRE
 def allocate(
     budget: Budget,
     scores: UnitScores,
-    settings: PruneSettings,
+    settings: CutSettings,
     layer_scores: Sequence[float] | None = None,
     block_scores: dict[str, Sequence[float]] | None = None,
     attn_share: float | None = None,

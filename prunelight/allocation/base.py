@@ -3,7 +3,8 @@
 An allocation is one function per shape constraint it honours, `(AllocationInputs) -> Removal`, and one
 `Allocation` row in `allocation.registry` that states what it needs and checks; a row may own a measurement
 (`measure`: run once on the calibration batches after scoring, its answer reaching the functions as
-`AllocationInputs.measured`) and its own options (`options`: a dataclass read from `prune.allocation_args`).
+`AllocationInputs.measured`), its own options (`options`: a dataclass read from `prune.allocation_args`) and its own
+cut step (`cut`: the plan cut and repaired from what the measurement holds, instead of the usual repair).
 `allocation.allocate` does the rest (score checks, the shape's finishing step, the plan and its figures).
 """
 
@@ -13,16 +14,16 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from prunelight.allocation.budget import Budget, Removed
+from prunelight.allocation.budget import Budget, CutSettings, Removed
+from prunelight.distributed import ReduceSum
 from prunelight.importance.base import UnitScores
-
-if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
-    from prunelight.settings import PruneSettings
+from prunelight.plan import PrunePlan
+from prunelight.surgery import LayerWrap
 
 
 class Shape(enum.Enum):
@@ -39,7 +40,7 @@ class AllocationInputs:
 
     budget: Budget
     scores: UnitScores
-    settings: PruneSettings
+    settings: CutSettings
     layer_scores: Sequence[float] | None = None  # layer importance (rows with layer_importance=True)
     block_scores: dict[str, Sequence[float]] | None = None  # measured sub-block removal (rows that ask for it)
     attn_share: float | None = None  # the attention share of the budget (fixed split, or the split search's try)
@@ -57,14 +58,28 @@ class MeasureInputs:
     batches: list[torch.Tensor]  # token ids [batch, seq_len]: the calibration batches measures run on
     budget: Budget
     scores: UnitScores  # the criterion's scores
-    settings: PruneSettings
+    settings: CutSettings
     shape: Shape
     options: Any = None  # the row's options instance, or None
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # cross-rank sum (DDP), or None
+    reduce_sum: ReduceSum | None = None  # cross-rank sum (DDP), or None
     state_dir: Path | None = None  # a folder for resumable state (the run's output folder; None in the notebook API)
     # every calibration batch the run scored on; `batches` is its first `prune.importance_batches` (what probes
     # read). A measure that fits weights from statistics (search's levels database) reads all of them.
     calibration: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class CutInputs:
+    """What a row's own cut step is given: the model to cut in place, its plan, what the row measured, the run's
+    settings and calibration batches."""
+
+    model: nn.Module
+    plan: PrunePlan
+    measured: Any  # what the row's `measure` returned for this plan
+    settings: CutSettings
+    batches: list[torch.Tensor]  # every calibration batch of the run
+    reduce_sum: ReduceSum | None = None  # cross-rank sum (DDP), or None
+    wrap: LayerWrap | None = None  # work around each layer's cut (the layer tuning), or None
 
 
 @dataclass
@@ -78,10 +93,11 @@ class Removal:
 
 
 AllocateFn = Callable[[AllocationInputs], Removal]
-Precheck = Callable[[Budget, "PruneSettings", Shape], None]
+Precheck = Callable[[Budget, CutSettings, Shape], None]
+CutStep = Callable[[CutInputs], "dict[str, Any] | None"]
 
 
-def _never(settings: PruneSettings) -> bool:
+def _never(settings: CutSettings) -> bool:
     return False
 
 
@@ -94,7 +110,7 @@ class Allocation:
     """The allocation function per shape constraint it honours (a missing shape is refused before any work)."""
     layer_importance: bool = False
     """Needs per-layer importance (`prune.layer_importance`, measured on calibration text before the cut)."""
-    block_removal: Callable[[PruneSettings], bool] = _never
+    block_removal: Callable[[CutSettings], bool] = _never
     """Whether, with these settings, it needs measured sub-block removal importance."""
     splits: bool = False
     """Honours an attention:MLP split (`prune.attn_mlp_split`)."""
@@ -120,8 +136,12 @@ class Allocation:
     """May drop whole layers, so which layers stay is known only after scoring."""
     precheck: Precheck | None = None
     """Model-size checks before any data is read: raise a one-line ValueError when the budget cannot be met."""
+    cut: CutStep | None = None
+    """The row's own cut step, run at the cut in place of the usual repair when the row measured: it cuts the model
+    to the plan and returns the repair's figures (as `reconstruct.cut_and_reconstruct` does), or None, with nothing
+    changed, to leave the cut to the usual repair (search: the plan cut with its levels database's refits)."""
 
-    def needs_data(self, settings: PruneSettings) -> bool:
+    def needs_data(self, settings: CutSettings) -> bool:
         """Whether it reads calibration text beyond the criterion's scores (layer or sub-block measures)."""
         return self.layer_importance or self.measure is not None or self.block_removal(settings)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -14,8 +14,37 @@ from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.plan import LayerPlan, PrunePlan
 
-if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
-    from prunelight.settings import PruneSettings
+
+class CutSettings(Protocol):
+    """The `prune:` settings the allocations read. `prunelight.settings.PruneSettings` is the one implementation; the
+    allocations name this view instead, since the settings module imports them (it lists their rows and options)."""
+
+    ratio: float
+    target_kv_cache: str | None
+    allocation: str
+    criterion: str
+    min_groups: int
+    min_channels: int
+    align_channels: int
+    reconstruct: str
+    reconstruct_ridge: float
+    max_calibration_batches: int | None
+
+    @property
+    def target(self) -> Target | None:
+        """The parsed deployment target, or None when `ratio` is the budget."""
+
+    @property
+    def attn_share(self) -> float | None:
+        """The attention share of a fixed "x:y" split, or None."""
+
+    @property
+    def allocation_options(self) -> Any:
+        """The allocation row's options instance (`prune.allocation_args`), or None."""
+
+    @property
+    def row(self) -> Any:
+        """The registry row of `allocation` (`base.Allocation`)."""
 
 Removed = dict[str, list[set[int]]]  # kind -> per layer, the removed unit indices
 Unit = tuple[float, str, int, int, int]  # (score per parameter, kind, layer, index, cost)
@@ -87,7 +116,7 @@ class Budget:
         return self.layer_units(i) + self.attn_extra[i] + self.mlp_extra[i] + self.layer_extra[i]
 
 
-def make_budget(model: nn.Module, settings: PruneSettings) -> Budget:
+def make_budget(model: nn.Module, settings: CutSettings) -> Budget:
     """Measure `model` and turn `settings.ratio` of its parameters into a removal target."""
     ratio, min_groups, min_channels = settings.ratio, settings.min_groups, settings.min_channels
     family = get_family(model)

@@ -53,7 +53,7 @@ from prunelight.console import progress
 from prunelight.distributed import mean_over_ranks
 from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
-from prunelight.prefix import recorded_inputs, started_at
+from prunelight.allocation.prefix import recorded_inputs, started_at
 
 KINDS = ("attn", "mlp")
 

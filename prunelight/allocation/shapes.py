@@ -9,24 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prunelight.allocation.align import align_channels
 from prunelight.allocation.base import AllocationInputs, Removal, Shape
-from prunelight.allocation.budget import Budget, true_up
+from prunelight.allocation.budget import Budget, CutSettings, true_up
 from prunelight.allocation.served import check_served_config, check_served_settings, check_served_sizes
 from prunelight.allocation.stock import check_uniform_settings, check_uniform_sizes
 from prunelight.allocation.width import kind_targets
 
-if TYPE_CHECKING:
-    from prunelight.settings import PruneSettings
 
-
-def _no_settings_check(settings: PruneSettings) -> None:
+def _no_settings_check(settings: CutSettings) -> None:
     return None
 
 
-def _free_sizes(budget: Budget, settings: PruneSettings, shape: Shape) -> None:
+def _free_sizes(budget: Budget, settings: CutSettings, shape: Shape) -> None:
     share = settings.attn_share
     if share is not None:
         kind_targets(budget, share)  # each side can give its share of the budget
@@ -62,11 +59,11 @@ class ShapeRule:
     shape: Shape
     why: str
     """Why an allocation without a function for this shape is refused (the refusal names it)."""
-    check_settings: Callable[[PruneSettings], None] = _no_settings_check
+    check_settings: Callable[[CutSettings], None] = _no_settings_check
     """Settings-only refusals (before any weights load)."""
     check_config: Callable[[Any], None] | None = None
     """Model-config refusals (family, attention kind: before any weights load); the run plan runs it (`prepare_run`, `precheck`)."""
-    check_sizes: Callable[[Budget, PruneSettings, Shape], None] | None = None
+    check_sizes: Callable[[Budget, CutSettings, Shape], None] | None = None
     """Model-size refusals (before data is read); skipped for allocations that drop layers (known after scoring)."""
     finish: Callable[[AllocationInputs, Removal], Removal] = _finish_as_is
     """What `allocate` does to every allocation's removal under this constraint."""

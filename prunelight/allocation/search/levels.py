@@ -34,7 +34,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +46,8 @@ from prunelight.families import get_family, unwrap
 from prunelight.importance.base import UnitScores
 from prunelight.importance.obs import ObsCriterion, unit_columns
 from prunelight.obs import damping, greedy_removal
-from prunelight.reconstruct import FitStats, ReduceSum, least_squares_fit, output_proj
-
-if TYPE_CHECKING:  # the hint only
-    from prunelight.layer_tuning import LayerTuner
+from prunelight.distributed import ReduceSum
+from prunelight.reconstruct import FitStats, least_squares_fit, output_proj
 
 ORDERS = ("criterion", "obs", "obs_kfac")
 # obs_kfac's output metric: the Fisher of each sub-block's output, normalized to mean diagonal 1, plus this times
@@ -57,6 +55,7 @@ ORDERS = ("criterion", "obs", "obs_kfac")
 KFAC_SHRINK = 1.0
 REPAIRS = ("least_squares", "obs")  # the refits a database can hold
 KINDS = ("attn", "mlp")
+Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups; mlp: channels, a multiple of step)
 
 
 def input_grams(model: nn.Module, batches: list[torch.Tensor], reduce_sum: ReduceSum | None = None,
@@ -379,64 +378,3 @@ def repair_for(order: str, reconstruct: str) -> str:
     return "obs" if order == "obs" and reconstruct == "obs" else "least_squares"
 
 
-def cut_with_levels(model: nn.Module, plan, db: LevelsDatabase, settings, batches, reduce_sum: ReduceSum | None = None,
-                    tuner: LayerTuner | None = None) -> dict[str, Any] | None:
-    """Cut `model` in place to `plan`, writing the database's refitted columns instead of fitting them again.
-
-    Returns the reconstruction figures (as `reconstruct.cut_and_reconstruct` reports them), or None, with nothing
-    changed, when the database does not hold this repair: another `prune.reconstruct` or ridge, fits on pruned
-    inputs, other calibration tokens (`prune.max_calibration_batches`), dropped layers, or a sub-block whose removed
-    units are not the first of its order. A ridge the search cross-validated (`ridge_validated`) is the cut's.
-    The weights are the same either way (`tests/test_search.py`). `tuner` tunes each layer after its cut
-    (it runs the dense layer forward first: nothing here computes the dense outputs).
-    """
-    import time
-
-    from prunelight.reconstruct import FIT_INPUTS, summary
-    from prunelight.surgery import apply_plan, layer_cuts
-
-    t0 = time.perf_counter()
-    tokens = sum(b.numel() for b in list(batches)[: settings.max_calibration_batches])
-    if reduce_sum is not None:
-        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
-    if (settings.reconstruct != db.repair or (settings.reconstruct_ridge != db.ridge and not db.ridge_validated)
-            or FIT_INPUTS != "dense" or tokens != db.key.get("tokens") or plan.drop_layers):
-        return None
-    base = unwrap(model)
-    shapes = get_family(base).layer_shapes(base)
-    removed: dict[tuple[str, int], int] = {}
-    for i, (lp, shape) in enumerate(zip(plan.layers, shapes)):
-        for kind, keep in layer_cuts(lp, shape):
-            b = db.blocks.get((kind, i))
-            gone = set(range(b.units)) - set(keep) if b is not None else None
-            if b is None or gone != set(b.order[:len(gone)]):
-                return None
-            removed[(kind, i)] = len(gone)
-    family = get_family(base)
-    figures: list[dict[str, Any]] = []
-
-    def cut_layer(i: int, layer: nn.Module, shape, cuts) -> None:
-        for kind, keep in cuts:
-            b = db.blocks[(kind, i)]
-            w_full = db.weight_at(kind, i, removed[(kind, i)])  # zero columns where units went
-            family.cut_sub_block(layer, base.config, shape, kind, keep)
-            if not keep:
-                continue
-            kept_cols = b.columns[keep].reshape(-1).to(w_full.device)
-            proj = output_proj(family, layer, kind)
-            with torch.no_grad():
-                proj.weight.copy_(w_full[:, kept_cols].to(proj.weight.dtype))
-            stats = stats_from_gram(b.weight, b.gram, kept_cols, db.tokens, b.wg)  # the cut alone: err0, Σ||y||²
-            d = w_full.double() - b.weight.double()
-            g = b.gram.double()
-            yy = float(stats.yy)
-            figures.append({"layer": i, "kind": kind, "kept": len(keep),
-                            "rel_err_before": float(stats.err0) / yy if yy > 0 else 0.0,
-                            "rel_err_after": max(float((d @ g * d).sum()), 0.0) / yy if yy > 0 else 0.0})
-
-    with torch.no_grad():
-        apply_plan(base, plan, tuner.wrap(cut_layer) if tuner is not None else cut_layer,
-                   desc=f"cut ({settings.reconstruct}, refits from the levels database"
-                        f"{', then layer tuning' if tuner is not None else ''})")
-    out = summary(settings.reconstruct, "dense", db.tokens, figures, time.perf_counter() - t0, db.ridge)
-    return {**out, "from": "levels_database"}
