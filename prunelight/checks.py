@@ -73,7 +73,7 @@ def check_partitioned(settings: PruneSettings, row: Allocation) -> None:
             # layer importance measures removals by masked forwards too
             (f"prune.allocation={settings.allocation}", row.layer_importance or not row.zero3),
             ("prune.attn_mlp_split=auto", settings.attn_mlp_split == "auto"),
-            ("prune.block_importance=removal", row.block_removal(settings)),  # read by blockwise only
+            ("prune.allocation_args.block_importance=removal", row.block_removal(settings)),  # read by blockwise only
         ) if bad
     ]
     if unsupported:

@@ -30,7 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prunelight.settings import _bad, _choice, _integer, _number
+from prunelight.validate import bad as _bad
+from prunelight.validate import choice as _choice
+from prunelight.validate import integer as _integer
+from prunelight.validate import number as _number
 
 DISTILL_LOSSES = ("kl", "reverse_kl", "mse_logits")
 DistillLoss = Literal[DISTILL_LOSSES]  # type: ignore[valid-type]

@@ -243,7 +243,7 @@ def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings
         bar.set_postfix(attn_share=f"{share:.3f}", nll=f"{value:.4f}")
         return value
 
-    s = settings.split_search
+    s = settings.allocation_options.split_search
     try:
         best, history = search_split(score, start, low, high, s.step, s.fine_step, s.patience)
     finally:

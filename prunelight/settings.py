@@ -8,6 +8,8 @@ what is allowed. Checks against the model's config, the run and the export's sha
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -16,26 +18,27 @@ from prunelight.allocation.base import Allocation, Shape
 from prunelight.allocation.registry import ALLOCATIONS as ALLOCATION_ROWS
 from prunelight.allocation.registry import allocation_of, names_with
 from prunelight.allocation.shapes import EXPORT_SHAPES, shape_of_format
-from prunelight.allocation.split_search import parse_split
+from prunelight.allocation.split_search import SplitSearch, parse_split
 from prunelight.allocation.targets import TARGET_OPTIONS, parse_target
 from prunelight.evaluation.suite import EvaluationSettings
 from prunelight.importance import CRITERIA, build_criterion
 from prunelight.layer_importance import LAYER_IMPORTANCE
 from prunelight.reconstruct import RECONSTRUCTIONS
+from prunelight.validate import SettingsError
+from prunelight.validate import bad as _bad
+from prunelight.validate import choice as _choice
+from prunelight.validate import integer as _integer
+from prunelight.validate import number as _number
+
+log = logging.getLogger(__name__)
 
 # Choice lists are owned by the modules that implement them; Literal[...] makes `--help` list them.
 ALLOCATIONS = tuple(ALLOCATION_ROWS)  # the registry's rows at import (allocation/registry.py): the CLI's choices
-RATE_STRATEGIES = ("inverse", "proportional", "uniform")
-IMPORTANCE_SCALES = ("minmax", "rank")
-BLOCK_IMPORTANCE = ("units", "removal")
 EXPORT_FORMATS = tuple(EXPORT_SHAPES)  # export.py writes the folder; allocation/shapes.py: each one's shape constraint
 
 CriterionName = Literal[tuple(CRITERIA)]  # type: ignore[valid-type]
 AllocationName = Literal[ALLOCATIONS]  # type: ignore[valid-type]
 LayerImportanceName = Literal[LAYER_IMPORTANCE]  # type: ignore[valid-type]
-RateStrategy = Literal[RATE_STRATEGIES]  # type: ignore[valid-type]
-ImportanceScale = Literal[IMPORTANCE_SCALES]  # type: ignore[valid-type]
-BlockImportance = Literal[BLOCK_IMPORTANCE]  # type: ignore[valid-type]
 ExportFormat = Literal[EXPORT_FORMATS]  # type: ignore[valid-type]
 # GGUF types the `gguf` package writes (prunelight/gguf_export.py; Q4_K and the other k-quants it cannot quantize).
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -48,35 +51,6 @@ def refresh_allocation_choices() -> None:
     import, by a plugin or a test, becomes a CLI choice; the CLI calls this before building its parser)."""
     global AllocationName
     AllocationName = Literal[tuple(ALLOCATION_ROWS)]  # type: ignore[valid-type]
-
-
-class SettingsError(ValueError):
-    """A setting with a value that is not allowed; the message names the option, the value and what is allowed."""
-
-
-def _bad(option: str, value: Any, allowed: str) -> SettingsError:
-    return SettingsError(f"{option}={value!r} is not allowed: {allowed}")
-
-
-def _choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise _bad(option, value, f"use one of {', '.join(choices)}")
-
-
-def _integer(option: str, value: Any, low: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _bad(option, value, f"must be an integer >= {low}" + (" or null" if optional else ""))
-
-
-def _number(option: str, value: Any, low: float, high: float, low_open: bool, high_open: bool) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise _bad(option, value, f"must be a number in {interval}")
 
 
 def _row_options(row, args: dict[str, Any] | None) -> Any:
@@ -97,57 +71,40 @@ def _row_options(row, args: dict[str, Any] | None) -> Any:
         raise SettingsError(str(err)) from None
 
 
-@dataclass
-class LayerRates:
-    """How `layerwise` turns layer importance into per-layer pruning rates (see docs/methods.md)."""
-
-    rate_strategy: RateStrategy = "inverse"
-    """inverse: important layers are cut less; proportional: more; uniform: the same rate everywhere."""
-    alpha: float = 1.0
-    """Spread of the rates: weight exp(-alpha*z) for importance z in [0, 1]."""
-    importance_scale: ImportanceScale = "minmax"
-    """How raw layer importance becomes z: minmax, or rank when one layer dwarfs the rest."""
-    freeze_top_n: int = 0
-    """The n most important layers are not pruned."""
-    rate_range: tuple[float, float] = (0.0, 1.0)
-    """[low, high] bounds of every layer's rate."""
-
-    def validate(self, prefix: str) -> None:
-        """Check every field (called by PruneSettings)."""
-        _choice(f"{prefix}.rate_strategy", self.rate_strategy, RATE_STRATEGIES)
-        _number(f"{prefix}.alpha", self.alpha, 0.0, math.inf, False, True)
-        _choice(f"{prefix}.importance_scale", self.importance_scale, IMPORTANCE_SCALES)
-        _integer(f"{prefix}.freeze_top_n", self.freeze_top_n, 0)
-        r = tuple(self.rate_range)
-        if len(r) != 2 or not all(isinstance(v, (int, float)) for v in r) or not 0.0 <= r[0] < r[1] <= 1.0:
-            raise _bad(f"{prefix}.rate_range", list(r), "must be [low, high] with 0 <= low < high <= 1")
-        self.rate_range = (float(r[0]), float(r[1]))
-
-
-@dataclass
-class SplitSearch:
-    """The search for the attention share of the budget when `attn_mlp_split: auto`."""
-
-    step: float = 0.1
-    """Coarse grid step of the attention share."""
-    fine_step: float = 0.025
-    """Fine grid step around the best coarse point (less than `step`)."""
-    patience: int = 2
-    """A direction stops after this many rises in calibration NLL in a row."""
-
-    def validate(self, prefix: str) -> None:
-        """Check every field (called by PruneSettings)."""
-        _number(f"{prefix}.step", self.step, 0.0, 0.5, True, False)
-        _number(f"{prefix}.fine_step", self.fine_step, 0.0, self.step, True, True)
-        _integer(f"{prefix}.patience", self.patience, 1)
-
-
 def _check_tuning(tuning: LayerTuning | ModelTuning, prefix: str) -> None:
     """The checks the layer and model tunings share: `epochs`, `lr` and `holdout_sequences`."""
     _integer(f"{prefix}.epochs", tuning.epochs, 0)
     _number(f"{prefix}.lr", tuning.lr, 0.0, 1.0, True, True)
     tuning.lr = float(tuning.lr)
     _integer(f"{prefix}.holdout_sequences", tuning.holdout_sequences, 1)
+
+
+# The spellings of options that moved into `prune.allocation_args`, read for one release.
+DEPRECATED_OPTIONS = ("layerwise", "split_search", "fill_width", "block_importance")
+
+
+def _moved_options(settings: PruneSettings, row: Allocation) -> dict[str, Any]:
+    """`allocation_args` with the deprecated top-level spellings moved in (one line each; the deprecated fields are
+    cleared, and a key given in both keeps `allocation_args`' value); a moved option the row does not take is dropped,
+    as it was ignored before."""
+    args = dict(settings.allocation_args or {})
+    takes = {f.name for f in fields(row.options)} if row.options is not None else set()
+    for name in DEPRECATED_OPTIONS:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        setattr(settings, name, None)
+        given = dict(value) if name == "layerwise" else {name: value}
+        if name == "layerwise" and not isinstance(value, dict):
+            raise _bad("prune.layerwise", value, "a mapping of the layerwise options; write them in "
+                       "prune.allocation_args")
+        kept = {k: v for k, v in given.items() if k in takes}
+        for k, v in kept.items():
+            args.setdefault(k, v)
+        where = f"prune.allocation_args: {{{', '.join(f'{k}: {json.dumps(v)}' for k, v in given.items())}}}"
+        log.warning("prune.%s is deprecated and goes in the next release: write %s%s", name, where,
+                    "" if kept else f" (allocation {row.name!r} does not take it: ignored)")
+    return args
 
 
 @dataclass
@@ -223,22 +180,13 @@ class PruneSettings:
     sequences per layer whatever the calibration set; null: every scoring batch)."""
     layer_importance: LayerImportanceName = "block_influence"
     """Layer importance measure for layerwise and depth."""
-    block_importance: BlockImportance = "removal"
-    """How blockwise ranks sub-blocks: measured removal loss (each sub-block removed alone, the calibration loss
-    read), or the criterion's unit scores summed (cheaper, but criteria standardized per layer, as flap's, do not
-    compare across sub-blocks: 380x dense at 20% on SmolLM2 against 2.9x measured)."""
-    fill_width: bool = True
-    """blockwise/depth: width-prune what whole blocks/layers leave of the budget."""
-    layerwise: LayerRates = field(default_factory=LayerRates)
-    """Per-layer rates of the layerwise allocation."""
-    split_search: SplitSearch = field(default_factory=SplitSearch)
-    """Search settings for attn_mlp_split: auto."""
     report_layer_importance: list[LayerImportanceName] = field(
         default_factory=lambda: ["block_influence", "activation_change"])
     """Layer importance measures to record in the report and plot."""
     allocation_args: dict[str, Any] = field(default_factory=dict)
-    """The allocation's own options, checked by its row's options dataclass (e.g. {reach: 2.0} for calibrated: a
-    sub-block loses at most floor(reach x its probe slice) units; docs/methods.md)."""
+    """The allocation's own options, made into its row's options dataclass and checked there; the options of every
+    allocation, with their defaults, are listed below (e.g. {generations: 24} for search, {fill_width: false} for
+    blockwise)."""
     reconstruct: ReconstructionName = "least_squares"
     """Repair after the cut, from the calibration batches: none; bias (FLAP: the removed units' mean
     contribution added to the o_proj/down_proj bias); least_squares (refit the kept o_proj/down_proj columns);
@@ -267,6 +215,15 @@ class PruneSettings:
     scores that travel")."""
     scores: str | None = None
     """Re-allocate from a saved scores.pt (made with this criterion on this model) with no scoring pass."""
+    layerwise: dict[str, Any] | None = None
+    """Deprecated (removed in the next release): the layerwise allocation's options are
+    `prune.allocation_args` ({rate_strategy, alpha, importance_scale, freeze_top_n, rate_range})."""
+    split_search: dict[str, Any] | None = None
+    """Deprecated (removed in the next release): `prune.allocation_args: {split_search: {...}}`."""
+    fill_width: bool | None = None
+    """Deprecated (removed in the next release): `prune.allocation_args: {fill_width: ...}` (blockwise, depth)."""
+    block_importance: str | None = None
+    """Deprecated (removed in the next release): `prune.allocation_args: {block_importance: ...}` (blockwise)."""
 
     def __post_init__(self) -> None:
         _number("prune.ratio", self.ratio, 0.0, 1.0, True, True)
@@ -299,15 +256,8 @@ class PruneSettings:
         _integer("prune.max_calibration_batches", self.max_calibration_batches, 1, optional=True)
         _integer("prune.importance_batches", self.importance_batches, 1, optional=True)
         _choice("prune.layer_importance", self.layer_importance, LAYER_IMPORTANCE)
-        _choice("prune.block_importance", self.block_importance, BLOCK_IMPORTANCE)
+        self.allocation_args = _moved_options(self, row)
         self._allocation_options = _row_options(row, self.allocation_args)
-        self.allocation_args = dict(self.allocation_args or {})
-        if isinstance(self.layerwise, dict):
-            self.layerwise = LayerRates(**self.layerwise)
-        if isinstance(self.split_search, dict):
-            self.split_search = SplitSearch(**self.split_search)
-        self.layerwise.validate("prune.layerwise")
-        self.split_search.validate("prune.split_search")
         if isinstance(self.layer_tuning, dict):
             self.layer_tuning = LayerTuning(**self.layer_tuning)
         self.layer_tuning.validate("prune.layer_tuning")
@@ -379,9 +329,7 @@ class PruneSettings:
 
     def as_dict(self) -> dict:
         """JSON-able form (report, checkpoints)."""
-        d = asdict(self)
-        d["layerwise"]["rate_range"] = list(self.layerwise.rate_range)
-        return d
+        return asdict(self)
 
 
 @dataclass

@@ -142,8 +142,6 @@ def write_tiny_corpus(folder, lines: int = 400, seed: int = 0):
     return out
 
 
-LAYER_RATE_OPTIONS = ("rate_strategy", "alpha", "importance_scale", "freeze_top_n", "rate_range")
-
 
 def tiny_fit_args(ckpt, files: dict, *extra: str) -> list[str]:
     """`prunelight fit` over configs/reference.yaml pointed at a tiny checkpoint and corpus (tests' CLI runs)."""
@@ -160,15 +158,21 @@ def tiny_fit_args(ckpt, files: dict, *extra: str) -> list[str]:
 
 
 def settings_of(ratio: float = 0.2, **options):
-    """PruneSettings from flat keyword options (layerwise rate options are moved into `layerwise`).
+    """PruneSettings from flat keyword options: the allocation row's own options (e.g. `alpha` of layerwise,
+    `fill_width` of blockwise) are moved into `allocation_args`.
 
     The allocation is `global` unless given: allocation tests hand `allocate` scores directly, with no probes for
     calibrated to rescale them by, and no search."""
-    from prunelight.settings import LayerRates, PruneSettings
+    from dataclasses import fields
+
+    from prunelight.allocation.registry import allocation_of
+    from prunelight.settings import PruneSettings
 
     options.setdefault("allocation", "global")
-    rates = {k: options.pop(k) for k in LAYER_RATE_OPTIONS if k in options}
-    return PruneSettings(ratio=ratio, layerwise=LayerRates(**rates), **options)
+    row = allocation_of(options["allocation"])
+    own = {f.name for f in fields(row.options)} if row.options is not None else set()
+    args = {**{k: options.pop(k) for k in list(options) if k in own}, **options.pop("allocation_args", {})}
+    return PruneSettings(ratio=ratio, allocation_args=args, **options)
 
 
 def allocate_flat(model, scores, ratio: float, allocation: str = "global", layer_scores=None, block_scores=None,

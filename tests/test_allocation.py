@@ -18,7 +18,8 @@ from prunelight.cli import cli_main
 from prunelight.importance import build_criterion
 from prunelight.pipeline import make_plan
 from prunelight.surgery import apply_plan, mask_units
-from prunelight.settings import LayerRates, PruneSettings
+from prunelight.allocation.layerwise import LayerwiseOptions as LayerRates
+from prunelight.settings import PruneSettings
 from prunelight.testing import allocate_flat, settings_of, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,20 +196,20 @@ def test_auto_split_in_make_plan(setup, monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(allocation="layerwise", rate_strategy="log"), r"prune.layerwise.rate_strategy='log' .*inverse"),
+        (dict(allocation="layerwise", rate_strategy="log"), r"prune.allocation_args.rate_strategy='log' .*inverse"),
         (dict(allocation="depth", layer_importance="cka"), "prune.layer_importance='cka'"),
-        (dict(allocation="blockwise", block_importance="taylor"), "prune.block_importance='taylor'"),
+        (dict(allocation="blockwise", block_importance="taylor"), "prune.allocation_args.block_importance='taylor'"),
         (dict(allocation="knapsack"), "prune.allocation='knapsack' is not allowed: use one of global"),
         (dict(attn_mlp_split="3"), "prune.attn_mlp_split='3' is not allowed: use 'x:y'"),
         (dict(attn_mlp_split="-1:2"), "prune.attn_mlp_split='-1:2'"),
         (dict(attn_mlp_split=63), "quote it"),  # what YAML makes of an unquoted 1:3
         (dict(allocation="depth", attn_mlp_split="1:1"), "applies to allocation global or layerwise"),
         (dict(align_channels=0), "prune.align_channels=0 is not allowed: must be an integer >= 1"),
-        (dict(allocation="layerwise", rate_range=[0.5, 0.2]), "prune.layerwise.rate_range"),
-        (dict(allocation="layerwise", freeze_top_n=-1), "prune.layerwise.freeze_top_n=-1"),
-        (dict(allocation="layerwise", alpha=-1.0), "prune.layerwise.alpha=-1.0"),
-        (dict(allocation="layerwise", importance_scale="log"), "prune.layerwise.importance_scale='log'"),
-        (dict(attn_mlp_split="auto", split_search={"fine_step": 0.5}), "prune.split_search.fine_step=0.5"),
+        (dict(allocation="layerwise", rate_range=[0.5, 0.2]), "prune.allocation_args.rate_range"),
+        (dict(allocation="layerwise", freeze_top_n=-1), "prune.allocation_args.freeze_top_n=-1"),
+        (dict(allocation="layerwise", alpha=-1.0), "prune.allocation_args.alpha=-1.0"),
+        (dict(allocation="layerwise", importance_scale="log"), "prune.allocation_args.importance_scale='log'"),
+        (dict(attn_mlp_split="auto", split_search={"fine_step": 0.5}), "prune.allocation_args.split_search.fine_step=0.5"),
         (dict(criterion="taylor", criterion_args={"p": 1}), "prune.criterion_args"),
         (dict(min_groups=-1), "prune.min_groups=-1"),
         (dict(ratio=float("nan")), "prune.ratio=nan"),

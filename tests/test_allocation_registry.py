@@ -189,8 +189,8 @@ def test_the_rows_option_is_checked_once_when_the_settings_are_made(spare):
     with pytest.raises(SettingsError, match=r"^prune.allocation_args.spare=-1 is not allowed: must be an integer"):
         PruneSettings(allocation="spare_busiest", allocation_args={"spare": -1})
     with pytest.raises(SettingsError, match=r"^prune.allocation_args=\{'spare': 1\} is not allowed: allocation "
-                                            r"'global' takes no options"):
-        PruneSettings(allocation="global", allocation_args={"spare": 1})
+                                            r"'uniform' takes no options"):
+        PruneSettings(allocation="uniform", allocation_args={"spare": 1})
     assert PruneSettings(allocation="spare_busiest").allocation_options == SpareOptions()
 
 

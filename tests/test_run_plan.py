@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import prunelight
+from prunelight.allocation.width import GlobalOptions
 from prunelight.allocation import Shape, precheck
 from prunelight.run_plan import RunFacts, RunPlan, prepare_run
 from prunelight.settings import PruneSettings
@@ -147,7 +148,7 @@ def test_a_cli_run_makes_the_budget_and_checks_the_shape_once(monkeypatch, job):
 def test_a_saved_plan_has_no_budget_and_a_free_plan_counts_the_twin():
     config = tiny_model().config
     plan = prepare_run(settings_of(0.2), Shape.FREE, config)
-    assert isinstance(plan, RunPlan) and plan.options is None
+    assert isinstance(plan, RunPlan) and plan.options == GlobalOptions()
     assert plan.budget.total == precheck(tiny_model(), settings_of(0.2)).total  # the twin counts the real sizes
     assert prepare_run(settings_of(0.2)).budget is None  # no config: settings and run facts only
 

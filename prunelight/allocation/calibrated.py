@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from torch import nn
 
 from prunelight.allocation.base import AllocationInputs, MeasureInputs, Removal
 from prunelight.allocation.budget import Budget, Removed, build_plan, empty_removed, lowest
-from prunelight.allocation.split_search import masked
+from prunelight.allocation.split_search import SplitSearch, masked, split_search_of
 from prunelight.allocation.width import global_width, kind_targets
 from prunelight.console import progress
 from prunelight.distributed import mean_over_ranks
@@ -66,8 +66,11 @@ class CalibratedOptions:
     """A sub-block loses at most floor(reach x its probe slice) units and keeps at least 1/reach of what its probe
     kept (the linear loss scale a probe gives is trusted that far; 1.5 lets a one-group probe never vouch for a
     second group); raised by whole steps when the caps cannot meet the budget."""
+    split_search: SplitSearch = field(default_factory=SplitSearch)
+    """The search of the attention share when `prune.attn_mlp_split: auto`."""
 
     def __post_init__(self) -> None:
+        self.split_search = split_search_of(self.split_search)
         ok = isinstance(self.reach, (int, float)) and not isinstance(self.reach, bool) and math.isfinite(self.reach)
         if not ok or self.reach < 1.0:
             raise ValueError(f"prune.allocation_args.reach={self.reach!r} is not allowed: must be a number in "

@@ -13,18 +13,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Literal
 
 from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, meet, trim, units
+from prunelight.allocation.split_search import SplitSearch, split_search_of
 from prunelight.allocation.width import asked, check_removable, kind_targets, limits
 from prunelight.importance.base import UnitScores
+from prunelight.validate import bad, choice, integer, number
 
-if TYPE_CHECKING:  # the settings module lists the allocations, so it imports this package
-    from prunelight.settings import LayerRates
+RATE_STRATEGIES = ("inverse", "proportional", "uniform")
+IMPORTANCE_SCALES = ("minmax", "rank")
+ARGS = "prune.allocation_args"
 
 
-def layer_rates(importance: Sequence[float], budget: Budget, rates: LayerRates) -> list[float]:
+@dataclass
+class LayerwiseOptions:
+    """The options of `prune.allocation: layerwise` (`prune.allocation_args`): how layer importance becomes per-layer
+    pruning rates (docs/methods.md)."""
+
+    rate_strategy: Literal[RATE_STRATEGIES] = "inverse"  # type: ignore[valid-type]
+    """inverse: important layers are cut less; proportional: more; uniform: the same rate everywhere."""
+    alpha: float = 1.0
+    """Spread of the rates: weight exp(-alpha*z) for importance z in [0, 1]."""
+    importance_scale: Literal[IMPORTANCE_SCALES] = "minmax"  # type: ignore[valid-type]
+    """How raw layer importance becomes z: minmax, or rank when one layer dwarfs the rest."""
+    freeze_top_n: int = 0
+    """The n most important layers are not pruned."""
+    rate_range: tuple[float, float] = (0.0, 1.0)
+    """[low, high] bounds of every layer's rate."""
+    split_search: SplitSearch = field(default_factory=SplitSearch)
+    """The search of the attention share when `prune.attn_mlp_split: auto`."""
+
+    def __post_init__(self) -> None:
+        choice(f"{ARGS}.rate_strategy", self.rate_strategy, RATE_STRATEGIES)
+        number(f"{ARGS}.alpha", self.alpha, 0.0, math.inf, False, True)
+        choice(f"{ARGS}.importance_scale", self.importance_scale, IMPORTANCE_SCALES)
+        integer(f"{ARGS}.freeze_top_n", self.freeze_top_n, 0)
+        r = tuple(self.rate_range)
+        if len(r) != 2 or not all(isinstance(v, (int, float)) for v in r) or not 0.0 <= r[0] < r[1] <= 1.0:
+            raise bad(f"{ARGS}.rate_range", list(r), "must be [low, high] with 0 <= low < high <= 1")
+        self.rate_range = (float(r[0]), float(r[1]))
+        self.split_search = split_search_of(self.split_search)
+
+
+def layer_rates(importance: Sequence[float], budget: Budget, rates: LayerwiseOptions) -> list[float]:
     """Per-layer removal fractions of the prunable parameters that together meet the budget exactly."""
     strategy, alpha, freeze_top_n = rates.rate_strategy, rates.alpha, rates.freeze_top_n
     rate_range, scale = rates.rate_range, rates.importance_scale
@@ -113,7 +147,7 @@ def layerwise_width(
 
 def allocate_layerwise(inp: AllocationInputs) -> Removal:
     """`layerwise`: per-layer rates from layer importance, then each layer's quota of its lowest units."""
-    lw = inp.settings.layerwise
+    lw = inp.options
     rates = layer_rates(inp.layer_scores, inp.budget, lw)
     removed = layerwise_width(inp.scores, inp.budget, rates, inp.attn_share)
     return Removal(removed, extra=dict(layer_rates=rates, rate_strategy=lw.rate_strategy, alpha=lw.alpha,
@@ -132,11 +166,11 @@ def _rate_bounds(budget: Budget, rate_range: tuple[float, float]) -> tuple[list[
 def check_layerwise(budget: Budget, settings, shape: Shape) -> None:
     """Refuse a freeze or rate range that cannot meet the budget whichever layers importance freezes (model sizes
     only): `layer_rates`' own refusals are then unreachable after scoring. Then the removable check."""
-    rates = settings.layerwise
+    rates = settings.allocation_options
     n, k = budget.num_layers, rates.freeze_top_n
     if k >= n:
         raise ValueError(
-            f"prune.layerwise.freeze_top_n={k} is not allowed: the model has {n} layers and at least one must be "
+            f"{ARGS}.freeze_top_n={k} is not allowed: the model has {n} layers and at least one must be "
             "prunable"
         )
     sizes, lo, hi = _rate_bounds(budget, rates.rate_range)
@@ -151,6 +185,6 @@ def check_layerwise(budget: Budget, settings, shape: Shape) -> None:
     if budget.target < least:
         raise ValueError(
             f"{asked(settings)} is not allowed here: the low rate {rates.rate_range[0]} alone removes {int(least):,} "
-            f"parameters, more than the {budget.target:,} asked; lower prune.layerwise.rate_range or raise the ratio"
+            f"parameters, more than the {budget.target:,} asked; lower prune.allocation_args.rate_range or raise the ratio"
         )
     check_removable(budget, settings, shape)

@@ -19,31 +19,41 @@ from prunelight.allocation.calibrated import (
     calibrated_scores,
     measure_calibrated,
 )
-from prunelight.allocation.layerwise import allocate_layerwise, check_layerwise
+from prunelight.allocation.layerwise import LayerwiseOptions, allocate_layerwise, check_layerwise
 from prunelight.allocation.search import SearchOptions, allocate_search, cut_search, measure_search
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import (
+    BlockwiseOptions,
+    DepthOptions,
     allocate_blockwise,
     allocate_depth,
     allocate_depth_uniform,
     check_blockwise,
     check_depth,
 )
-from prunelight.allocation.width import allocate_global, allocate_uniform, check_removable, check_uniform
+from prunelight.allocation.width import (
+    GlobalOptions,
+    allocate_global,
+    allocate_uniform,
+    check_removable,
+    check_uniform,
+)
 
 ROWS = (
     Allocation("global", {Shape.FREE: allocate_global, Shape.UNIFORM: allocate_uniform_shape,
-                          Shape.SERVED: allocate_served}, splits=True, kv_target=True, precheck=check_removable),
+                          Shape.SERVED: allocate_served}, splits=True, kv_target=True, options=GlobalOptions,
+               precheck=check_removable),
     Allocation("uniform", {Shape.FREE: allocate_uniform, Shape.UNIFORM: allocate_uniform_shape,
                            Shape.SERVED: allocate_served}, kv_target=True, kv_per_layer=True, precheck=check_uniform),
     Allocation("layerwise", {Shape.FREE: allocate_layerwise}, layer_importance=True, splits=True,
-               precheck=check_layerwise),
-    Allocation("blockwise", {Shape.FREE: allocate_blockwise},
-               block_removal=lambda settings: settings.block_importance == "removal", precheck=check_blockwise),
+               options=LayerwiseOptions, precheck=check_layerwise),
+    Allocation("blockwise", {Shape.FREE: allocate_blockwise}, options=BlockwiseOptions,
+               block_removal=lambda settings: settings.allocation_options.block_importance == "removal",
+               precheck=check_blockwise),
     Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform,
                          Shape.SERVED: allocate_depth_served}, layer_importance=True, drops_layers=True,
-               precheck=check_depth),
+               options=DepthOptions, precheck=check_depth),
     # Global on the loss scale: the scores are rescaled by measured probes once (`rescale`), so a stock or served
     # layout, a split and a KV-cache target run global's own functions on calibrated costs; FREE adds the caps.
     Allocation("calibrated", {Shape.FREE: allocate_calibrated, Shape.UNIFORM: allocate_uniform_shape,

@@ -80,8 +80,8 @@ def allocate_served(inp: AllocationInputs, drop: set[int] = frozenset()) -> Remo
 
 def allocate_depth_served(inp: AllocationInputs) -> Removal:
     """`Shape.SERVED` for depth: whole layers first, then (fill_width) the served-layout search in the kept ones."""
-    removed, drop = depth(inp.scores, inp.budget, inp.layer_scores, inp.settings.fill_width)
-    if not inp.settings.fill_width:
+    removed, drop = depth(inp.scores, inp.budget, inp.layer_scores, inp.options.fill_width)
+    if not inp.options.fill_width:
         return Removal(removed, drop, extra={"served_layout": True}, exact=True)
     return allocate_served(inp, drop)
 

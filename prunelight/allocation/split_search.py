@@ -10,12 +10,39 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from prunelight.families import get_family, unwrap
 from prunelight.plan import PrunePlan
+from prunelight.validate import integer, number
+
+ARGS = "prune.allocation_args.split_search"
+
+
+@dataclass
+class SplitSearch:
+    """The search for the attention share of the budget when `attn_mlp_split: auto` (an option of every allocation
+    that takes a split: `prune.allocation_args: {split_search: {...}}`)."""
+
+    step: float = 0.1
+    """Coarse grid step of the attention share."""
+    fine_step: float = 0.025
+    """Fine grid step around the best coarse point (less than `step`)."""
+    patience: int = 2
+    """A direction stops after this many rises in calibration NLL in a row."""
+
+    def __post_init__(self) -> None:
+        number(f"{ARGS}.step", self.step, 0.0, 0.5, True, False)
+        number(f"{ARGS}.fine_step", self.fine_step, 0.0, self.step, True, True)
+        integer(f"{ARGS}.patience", self.patience, 1)
+
+
+def split_search_of(value: SplitSearch | dict | None) -> SplitSearch:
+    """A `SplitSearch` from itself, its dict (YAML) or None (the defaults)."""
+    return value if isinstance(value, SplitSearch) else SplitSearch(**(value or {}))
 
 
 def parse_split(split: str | None) -> float | None:
@@ -38,16 +65,6 @@ def parse_split(split: str | None) -> float | None:
     return x / (x + y)
 
 
-def check_search(step: float, fine_step: float, patience: int) -> None:
-    """Refuse search settings that cannot work."""
-    if not 0 < step <= 0.5:
-        raise ValueError(f"split_step must be in (0, 0.5], got {step!r}")
-    if not 0 < fine_step < step:
-        raise ValueError(f"split_fine_step must be in (0, split_step={step}), got {fine_step!r}")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(f"split_patience must be an integer >= 1, got {patience!r}")
-
-
 def search_split(
     score: Callable[[float], float],
     start: float,
@@ -57,8 +74,8 @@ def search_split(
     fine_step: float = 0.025,
     patience: int = 2,
 ) -> tuple[float, list[tuple[float, float]]]:
-    """Best attention share in [low, high] under `score` (lower is better), and every (share, score) tried."""
-    check_search(step, fine_step, patience)
+    """Best attention share in [low, high] under `score` (lower is better), and every (share, score) tried (the grid
+    was checked once, by `SplitSearch`)."""
     if not low <= high:
         raise ValueError(f"no feasible attention share: the range [{low:.3f}, {high:.3f}] is empty")
     seen: dict[float, float] = {}

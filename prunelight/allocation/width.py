@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from prunelight.allocation.base import AllocationInputs, Removal, Shape
 from prunelight.allocation.budget import Budget, Removed, empty_removed, fill, lowest, meet, units
+from prunelight.allocation.split_search import SplitSearch, split_search_of
 from prunelight.importance.base import UnitScores
+
+
+@dataclass
+class GlobalOptions:
+    """The options of `prune.allocation: global` (`prune.allocation_args`)."""
+
+    split_search: SplitSearch = field(default_factory=SplitSearch)
+    """The search of the attention share when `prune.attn_mlp_split: auto`."""
+
+    def __post_init__(self) -> None:
+        self.split_search = split_search_of(self.split_search)
 
 
 def kind_targets(budget: Budget, attn_share: float | None) -> dict[str, int] | None:

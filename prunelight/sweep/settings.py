@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from prunelight.settings import _bad, _choice, _integer
+from prunelight.validate import bad as _bad
+from prunelight.validate import choice as _choice
+from prunelight.validate import integer as _integer
 
 MODES = ("grid", "optuna")
 SAMPLERS = ("tpe", "random")

@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from prunelight.settings import SettingsError, _bad
+from prunelight.validate import SettingsError
+from prunelight.validate import bad as _bad
 
 RANGE_KEYS = {"low", "high", "step", "log"}
 JSON_PREFIX = "json:"  # values Optuna cannot store (dicts, lists) travel as JSON strings

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelight.errors import PrunelightError, _first_line
-from prunelight.settings import SettingsError
+from prunelight.validate import SettingsError
 from prunelight.sweep.space import decode
 from prunelight.sweep.settings import SweepSettings
 
