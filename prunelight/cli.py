@@ -24,7 +24,6 @@ from prunelight.distributed import uses_checkpoint_io
 from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
-from prunelight.checks import check_gguf_export
 from prunelight.run_plan import prepare_run
 from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation, refresh_allocation_choices
 from prunelight.sources import one_value
@@ -57,8 +56,7 @@ class PrunelightCLI(LightningCLI):
         evaluator = RunEvaluator(self._get(self.config_init, "evaluation"))
         export = self._get(self.config_init, "export")
         self.job_callbacks = [
-            PruningCallback(self._get(self.config_init, "prune"), evaluator, out_dir=export.out_dir,
-                            shape=export.shape),  # export.format constrains the cut's layer shapes
+            PruningCallback(self._get(self.config_init, "prune"), evaluator, export=export),
             ExportCallback(export, evaluator),
         ]
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -82,10 +80,9 @@ class PrunelightCLI(LightningCLI):
         config = self.model.check_pretrained()
         self.datamodule.check_sources()
         self.datamodule.check_context(getattr(config, "max_position_embeddings", None))
-        self.job_callbacks[0].run_plan = prepare_run(
-            self._get(self.config_init, "prune"), self._get(self.config_init, "export").shape, config,
-            run_facts(self.trainer, self.model))
-        check_gguf_export(self._get(self.config_init, "prune"), self._get(self.config_init, "export").gguf, config)
+        export = self._get(self.config_init, "export")
+        self.job_callbacks[0].run_plan = prepare_run(self._get(self.config_init, "prune"), export.shape, config,
+                                                     run_facts(self.trainer, self.model, export))
 
     def after_fit(self) -> None:
         handoff = self.model.cut_state.handoff

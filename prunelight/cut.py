@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation import Budget, CutInputs, Shape, allocation_of
+from prunelight.allocation import Budget, CutInputs, allocation_of
 from prunelight.distributed import ReduceSum
 from prunelight.importance import UnitScores
 from prunelight.layer_tuning import LayerTuner
@@ -30,7 +30,7 @@ from prunelight.pipeline import adopt_plan, load_plan_checked, make_plan
 from prunelight.plan import PrunePlan
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.record import CalibrationRecord, RunRecord
-from prunelight.run_plan import RunPlan, prepare_run
+from prunelight.run_plan import RunPlan
 from prunelight.saved import (
     PLAN_FILE,
     RUN_KEY_PARTS,
@@ -98,15 +98,15 @@ def prepare_cut(model: nn.Module, run: RunPlan, calibration: dict[str, Any] | No
     return CutSource(budget=run.budget, saved=saved)
 
 
-def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | PruneSettings, shape: Shape = Shape.FREE,
+def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan,
             source: CutSource | None = None, reduce_sum: ReduceSum | None = None, sharded: bool = False,
             twin: nn.Module | None = None, surgery: bool = True,
             before_surgery: Callable[[], None] | None = None, scores: SavedScores | None = None,
             state_dir: Path | None = None) -> CutResult:
     """Plan (saved plan, saved scores or a scoring pass, then allocation) and, with `surgery`, cut `model` in place.
 
-    `run` is the run plan (`run_plan.prepare_run`, checked once before anything loaded); settings alone are made
-    into one here, on `model` (with `shape`). `source` is `prepare_cut`'s answer (made here when not given).
+    `run` is the run plan (`run_plan.prepare_run`, checked once before anything loaded). `source` is `prepare_cut`'s
+    answer (made here when not given).
     `twin` is the weightless copy that stands in for ZeRO-3 partitioned weights (`sharded`). `before_surgery` runs just before the
     weights change (the distillation teacher's snapshot). The cut repairs itself with `settings.reconstruct`.
     `scores`: unit scores (and layer importance) measured earlier in this process, used as saved scores
@@ -114,8 +114,6 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan | Pr
     row's measurement may keep resumable state.
     """
     t0 = time.perf_counter()
-    if isinstance(run, PruneSettings):
-        run = prepare_run(run, shape, model=twin or model)
     settings = run.settings
     advice = alignment_advice(next(model.parameters()).device, settings)
     if advice:

@@ -59,7 +59,7 @@ def make_plan(
     `reduce_sum` sums statistics over ranks (DDP, DeepSpeed). `sharded` is for ZeRO-3 partitioned
     weights: weight-only criteria read one gathered layer at a time and the budget is counted on a
     weightless twin (options that run extra forwards on masked weights were refused by the run plan,
-    `checks.check_partitioned`). A `budget` already made by the run plan for this model and settings is reused. `saved` scores
+    `run_plan.check_partitioned`). A `budget` already made by the run plan for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
     importance measures: nothing is run on `batches`. `shape` is the layer-shape constraint (export.format);
     with `attn_mlp_split: auto`, under `Shape.UNIFORM` each uniform shape is measured on calibration NLL, under

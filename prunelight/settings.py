@@ -18,7 +18,7 @@ from prunelight.allocation.base import Allocation, Shape
 from prunelight.allocation.registry import ALLOCATIONS as ALLOCATION_ROWS
 from prunelight.allocation.registry import allocation_of, names_with
 from prunelight.allocation.shapes import EXPORT_SHAPES, shape_of_format
-from prunelight.allocation.split_search import SplitSearch, parse_split
+from prunelight.allocation.split_search import parse_split
 from prunelight.allocation.targets import TARGET_OPTIONS, parse_target
 from prunelight.evaluation.suite import EvaluationSettings
 from prunelight.importance import CRITERIA, build_criterion

@@ -348,3 +348,12 @@ class ThreadRanks:
         if errors:
             raise errors[0]
         return results
+
+
+def cut_with(model, batches, settings, shape=None, **kwargs):
+    """`cut.run_cut` as the Python API runs it: the run plan made on `model` first (tests read the `CutResult`)."""
+    from prunelight.allocation import Shape
+    from prunelight.cut import run_cut
+    from prunelight.run_plan import prepare_run
+
+    return run_cut(model, batches, prepare_run(settings, shape or Shape.FREE, model=model), **kwargs)

@@ -149,7 +149,7 @@ def test_bad_calibrated_settings_fail_when_constructed():
     with pytest.raises(SettingsError, match=r"^prune.allocation_args.reach=0.5 is not allowed: must be a number"):
         PruneSettings(allocation="calibrated", allocation_args={"reach": 0.5})
     with pytest.raises(SettingsError, match=r"^prune.allocation_args.reech=2 is not allowed: allocation 'calibrated' "
-                                            r"takes reach$"):
+                                            r"takes reach, split_search$"):
         PruneSettings(allocation="calibrated", allocation_args={"reech": 2})
     assert PruneSettings(allocation="calibrated", allocation_args={"reach": 2}).allocation_options.reach == 2.0
 
@@ -256,7 +256,7 @@ def test_a_kv_cache_target_takes_the_groups_of_lowest_calibrated_cost():
 
 def test_the_split_search_and_saved_scores_work_with_calibrated(setup, tmp_path):
     """attn_mlp_split auto tries shares of the calibrated allocation; saved scores are re-allocated with probes."""
-    from prunelight.cut import run_cut
+    from prunelight.testing import cut_with
     from prunelight.saved import save_scores, scores_key
 
     model, batches, scores = setup
@@ -267,7 +267,7 @@ def test_the_split_search_and_saved_scores_work_with_calibrated(setup, tmp_path)
     direct = make_plan(model, batches, settings).plan
     path = tmp_path / "scores.pt"
     save_scores(path, scores, scores_key(model, settings, {}))
-    again = run_cut(copy.deepcopy(model), batches, PruneSettings(**{**settings.as_dict(), "scores": str(path)}),
+    again = cut_with(copy.deepcopy(model), batches, PruneSettings(**{**settings.as_dict(), "scores": str(path)}),
                     surgery=False).plan
     assert again.meta["probes"]["loss"] == direct.meta["probes"]["loss"]
     assert again.to_dict()["layers"] == direct.to_dict()["layers"]
@@ -304,12 +304,13 @@ def test_calibrated_without_calibration_text_is_refused_before_any_work():
 
 def test_measured_scores_are_re_allocated_with_probes_on_the_given_batches(setup):
     """A benchmark scores once and re-allocates (cut.measured_scores): calibrated still probes the batches."""
-    from prunelight.cut import measured_scores, run_cut
+    from prunelight.cut import measured_scores
+    from prunelight.testing import cut_with
 
     model, batches, scores = setup
     settings = PruneSettings(allocation="calibrated", ratio=0.3, reconstruct="none")
     work = copy.deepcopy(model)
-    plan = run_cut(work, batches, settings, scores=measured_scores(scores), surgery=False).plan
+    plan = cut_with(work, batches, settings, scores=measured_scores(scores), surgery=False).plan
     direct = make_plan(copy.deepcopy(model), batches, settings).plan
     assert plan.meta["allocation"] == "calibrated" and plan.meta["probes"]["loss"] == direct.meta["probes"]["loss"]
     assert plan.meta["params_removed"] == direct.meta["params_removed"]

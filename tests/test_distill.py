@@ -250,18 +250,19 @@ def test_teacher_is_frozen_outside_the_optimizer_and_the_checkpoint(tmp_path, re
     assert n_opt == sum(1 for p in module.model.parameters() if p.requires_grad)
 
 
-def test_distillation_is_refused_under_zero3(tmp_path):
-    module = _module(tmp_path, alpha=0.5)
+def test_distillation_is_refused_under_zero3_by_the_run_plan(tmp_path, monkeypatch):
+    """The run plan refuses distillation under ZeRO-3 before any weights load (and allows it under ZeRO-2)."""
+    from prunelight import sources
+    from prunelight.distill import DistillationSettings
+    from prunelight.run_plan import RunFacts, prepare_run
 
-    class FakeTrainer:
-        strategy = None
-
-    from unittest import mock
-
-    with mock.patch("prunelight.distributed.zero_stage", return_value=3):
-        module._trainer = FakeTrainer()
-        with pytest.raises(ValueError, match="not allowed under DeepSpeed ZeRO-3"):
-            module.setup("fit")
+    monkeypatch.setattr(sources, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    config = tiny_model().config
+    facts = dict(deepspeed=True, zero_stage=3, distillation=DistillationSettings(alpha=0.5))
+    settings = PruneSettings(ratio=0.2, criterion="magnitude", allocation="global", reconstruct="none")
+    with pytest.raises(ValueError, match="model.distillation is not allowed under DeepSpeed ZeRO-3"):
+        prepare_run(settings, config=config, run=RunFacts(**facts))
+    assert prepare_run(settings, config=config, run=RunFacts(**{**facts, "zero_stage": 2})).budget is not None
 
 
 def test_lora_distillation_run_via_the_cli_names_teacher_and_loss(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prunelight import sources
-from prunelight.checks import check_gguf_export
+from prunelight.run_plan import check_gguf_export
 from prunelight.errors import PrunelightError
 from prunelight.families import get_family
 from prunelight.gguf_export import GgufExportError, check_gguf_widths, write_gguf

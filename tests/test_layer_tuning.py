@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from prunelight.cut import run_cut
+from prunelight.testing import cut_with
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
 from prunelight.layer_tuning import LayerTuner
@@ -200,15 +200,15 @@ def test_the_cut_tunes_after_a_repair_and_not_without_one():
     common = dict(ratio=0.3, criterion="random", allocation="global",
                   layer_tuning={"epochs": 4, "lr": 1e-3, "holdout_sequences": 8})
     tuned, repaired, bare = copy.deepcopy(dense), copy.deepcopy(dense), copy.deepcopy(dense)
-    tuning = run_cut(tuned, batches, PruneSettings(reconstruct="least_squares", **common)).reconstruction["tuning"]
+    tuning = cut_with(tuned, batches, PruneSettings(reconstruct="least_squares", **common)).reconstruction["tuning"]
     assert tuning["epochs"] == 4 and tuning["held_out_sequences"] == 8 and tuning["train_sequences"] == 40
     assert [f["layer"] for f in tuning["layers"]] == [0, 1]
     assert tuning["mean_held_out_error_after"] <= tuning["mean_held_out_error_before"]
-    figures = run_cut(repaired, batches, PruneSettings(reconstruct="least_squares",
+    figures = cut_with(repaired, batches, PruneSettings(reconstruct="least_squares",
                                                        **{**common, "layer_tuning": {"epochs": 0}})).reconstruction
     assert "tuning" not in figures
     assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), repaired.state_dict().values()))
-    assert run_cut(bare, batches, PruneSettings(reconstruct="none", **common)).reconstruction is None
+    assert cut_with(bare, batches, PruneSettings(reconstruct="none", **common)).reconstruction is None
 
 
 @pytest.mark.parametrize("tuning, option", [
@@ -231,7 +231,7 @@ def test_every_family_is_tuned_and_never_worse_on_held_out_sequences(variant):
     batches = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(s)) for s in range(4)]
     settings = PruneSettings(ratio=0.3, criterion="random", allocation="global",
                              layer_tuning={"epochs": 3, "holdout_sequences": 4})
-    tuning = run_cut(model, batches, settings).reconstruction["tuning"]
+    tuning = cut_with(model, batches, settings).reconstruction["tuning"]
     assert [f["layer"] for f in tuning["layers"]] == [0, 1]
     for f in tuning["layers"]:
         assert f["held_out_error_after"] <= f["held_out_error_before"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from prunelight import model_tuning
-from prunelight.cut import run_cut
+from prunelight.testing import cut_with
 from prunelight.families import get_family
 from prunelight.importance import build_criterion
 from prunelight.model_tuning import ModelTuner, dense_hidden, model_tuning_line
@@ -144,13 +144,13 @@ def test_the_cut_tunes_the_model_after_a_repair_and_says_so(caplog):
     batches = _batches()
     tuned, untuned = copy.deepcopy(dense), copy.deepcopy(dense)
     base = dict(ratio=0.4, allocation="global", criterion="magnitude", reconstruct="least_squares")
-    result = run_cut(tuned, batches, PruneSettings(**base, model_tuning={"epochs": 2, "lr": 3e-4}))
-    run_cut(untuned, batches, PruneSettings(**base, model_tuning={"epochs": 0}))
+    result = cut_with(tuned, batches, PruneSettings(**base, model_tuning={"epochs": 2, "lr": 3e-4}))
+    cut_with(untuned, batches, PruneSettings(**base, model_tuning={"epochs": 0}))
     figures = result.reconstruction["model_tuning"]
     assert figures["held_out_kl_after"] < figures["held_out_kl_before"]
     assert _kl(dense, tuned, batches[4:]) == pytest.approx(figures["held_out_kl_after"], rel=1e-4)
     assert _kl(dense, untuned, batches[4:]) == pytest.approx(figures["held_out_kl_before"], rel=1e-4)
-    none = run_cut(copy.deepcopy(dense), batches, PruneSettings(**{**base, "reconstruct": "none"}))
+    none = cut_with(copy.deepcopy(dense), batches, PruneSettings(**{**base, "reconstruct": "none"}))
     assert none.reconstruction is None  # the masked model is what reconstruct none asks for
     line = model_tuning_line(figures)
     assert re.match(r"model tuning \(2 epochs, lr 0.0003, 32 training sequences\): held-out KL from the dense model "
@@ -163,7 +163,7 @@ def test_a_tuning_that_does_not_fit_in_memory_is_skipped_and_said(monkeypatch, c
     monkeypatch.setattr(model_tuning, "free_memory", lambda device: 1000)
     settings = PruneSettings(ratio=0.4, allocation="global", criterion="magnitude", model_tuning={"epochs": 2})
     with caplog.at_level("WARNING"):
-        result = run_cut(copy.deepcopy(dense), batches, settings)
+        result = cut_with(copy.deepcopy(dense), batches, settings)
     assert result.reconstruction["model_tuning"]["skipped"].startswith("the decoder's float32 weights")
     assert "model tuning skipped" in caplog.text
     assert model_tuning_line(result.reconstruction["model_tuning"]).startswith("model tuning skipped: ")

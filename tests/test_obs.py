@@ -137,10 +137,10 @@ def test_obs_reconstruction_output_error_is_at_most_the_planned_cut():
     model = tiny_model("llama", seed=0, intermediate_size=24)
     settings = {"criterion": "random", "criterion_args": {"seed": 1}, "allocation": "uniform", "ratio": 0.15,
                 "reconstruct": "obs"}
-    from prunelight.cut import run_cut
+    from prunelight.testing import cut_with
     from prunelight.settings import PruneSettings
 
-    res = run_cut(model, _tiny_batches(), PruneSettings(**settings))
+    res = cut_with(model, _tiny_batches(), PruneSettings(**settings))
     figs = res.reconstruction["sub_blocks"]
     assert figs and all(f["rel_err_after"] <= f["rel_err_before"] + 1e-9 for f in figs)
     assert res.reconstruction["method"] == "obs"

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from prunelight.checkpoint_state import frozen_weights_reproducible
+from prunelight.module import frozen_weights_reproducible
 from prunelight.export import export_pretrained
 from prunelight.families import get_family
 from prunelight.importance import build_criterion

@@ -98,8 +98,8 @@ def test_an_old_single_process_checkpoint_still_restores():
 
 
 def test_the_checkpoint_holds_the_gathered_list(monkeypatch):
-    """checkpoint_state.save stores what every rank gathered; load hands it to the first training step."""
-    from prunelight import checkpoint_state
+    """save_checkpoint_state stores what every rank gathered; load_checkpoint_state hands it to the first training step."""
+    from prunelight import module as checkpoint_state
     from prunelight.module import PruneLM
     from prunelight.testing import tiny_config
 
@@ -108,9 +108,9 @@ def test_the_checkpoint_holds_the_gathered_list(monkeypatch):
     per_rank = [_states_and_draws(seed)[0] for seed in (10, 11)]
     monkeypatch.setattr(rng_state, "gather", lambda: per_rank)
     checkpoint: dict = {}
-    checkpoint_state.save(module, checkpoint)
+    checkpoint_state.save_checkpoint_state(module, checkpoint)
     assert checkpoint[checkpoint_state.CKPT_KEY]["rng"] is per_rank
-    checkpoint_state.load(module, checkpoint)
+    checkpoint_state.load_checkpoint_state(module, checkpoint)
     assert module._rng_to_restore is per_rank
 
 

@@ -8,6 +8,8 @@ cut patched to fail (it is never reached). The refusals after scoring that these
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,12 +22,12 @@ from prunelight.testing import make_tiny_checkpoint, settings_of, tiny_fit_args,
 
 # (prune options, the refusal's words): each refused from model sizes alone, whatever scoring would say.
 BAD = [
-    ({"allocation": "layerwise", "ratio": 0.6, "layerwise": {"rate_range": [0.0, 0.2]}}, "layer rates up to 0.2"),
-    ({"allocation": "layerwise", "ratio": 0.05, "layerwise": {"rate_range": [0.6, 1.0]}},
+    ({"allocation": "layerwise", "ratio": 0.6, "allocation_args": {"rate_range": [0.0, 0.2]}}, "layer rates up to 0.2"),
+    ({"allocation": "layerwise", "ratio": 0.05, "allocation_args": {"rate_range": [0.6, 1.0]}},
      "the low rate 0.6 alone removes"),
-    ({"allocation": "blockwise", "ratio": 0.7, "fill_width": False}, "whole sub-blocks give at most"),
-    ({"allocation": "depth", "ratio": 0.01, "fill_width": False}, "less than half a layer"),
-    ({"allocation": "depth", "ratio": 0.9}, "would drop all 2 layers"),
+    ({"allocation": "blockwise", "ratio": 0.7, "allocation_args": {"fill_width": False}}, "whole sub-blocks give at most"),
+    ({"allocation": "depth", "ratio": 0.01, "allocation_args": {"fill_width": False}}, "less than half a layer"),
+    ({"allocation": "depth", "ratio": 0.9}, "can go"),
     ({"allocation": "global", "align_channels": 128}, "align_channels=128 is not allowed: it exceeds the 96"),
     ({"allocation": "global", "min_groups": 5}, "min_groups=5 is not allowed: the model's layers have 2 KV groups"),
 ]
@@ -35,7 +37,7 @@ def _cli_options(options: dict) -> list[str]:
     out = []
     for key, value in options.items():
         if isinstance(value, dict):
-            out += [f"--prune.{key}.{k}={v}" for k, v in value.items()]
+            out.append(f"--prune.{key}={json.dumps(value)}")
         else:
             out.append(f"--prune.{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
@@ -154,13 +156,14 @@ def test_a_saved_plan_has_no_budget_and_a_free_plan_counts_the_twin():
 
 
 def test_every_layer_emptied_is_refused_from_sizes():
-    """min_groups = min_channels = 0 with a ratio whose removal may reach every layer (aligned steps overshoot by up
-    to 32 channels): refused before scoring, not by build_plan."""
+    """min_groups = min_channels = 0 with a ratio whose removal may reach every unit of every layer (the fills land
+    within one channel, aligned ones within 32 channels, above the target): refused before scoring."""
     model = tiny_model()
     units = sum(p.numel() for layer in model.model.layers for p in (*layer.self_attn.parameters(),
                                                                      *layer.mlp.parameters()))
-    ratio = (units - 100) / sum(p.numel() for p in model.parameters())
-    with pytest.raises(ValueError, match="would remove every decoder layer"):
+    channel = 3 * model.config.hidden_size  # gate, up and down rows of one MLP channel
+    ratio = (units - 2 * channel) / sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="would remove every unit of every decoder layer"):
         precheck(model, settings_of(ratio, min_groups=0, min_channels=0, align_channels=32))
     precheck(model, settings_of(ratio, min_groups=0, min_channels=0))  # one channel of overshoot leaves the norms
 

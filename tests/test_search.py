@@ -777,9 +777,9 @@ def test_prune_with_search_cuts_from_the_database_and_forgets_it():
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
     args = {"generations": 1, "offspring": 2, "stages": [4], "survivors": [2], "mlp_levels": 8}
-    from prunelight.cut import run_cut
+    from prunelight.testing import cut_with
 
-    result = run_cut(model, _batches(), prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2,
+    result = cut_with(model, _batches(), prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2,
                                                                 allocation_args=args))
     assert result.reconstruction["from"] == "levels_database"
     # the database (Grams of every layer) is not kept through recovery: nothing the cut returns holds it
@@ -793,7 +793,7 @@ def test_a_saved_search_plan_reapplied_repairs_with_its_cross_validated_ridge(tm
     import logging
 
     import prunelight
-    from prunelight.cut import run_cut
+    from prunelight.testing import cut_with
     from prunelight.saved import plan_document, write_plan
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
@@ -801,14 +801,14 @@ def test_a_saved_search_plan_reapplied_repairs_with_its_cross_validated_ridge(tm
             "cv_ridges": [1.0, 30.0]}
     settings = prunelight.PruneSettings(criterion="flap", allocation="search", ratio=0.2, allocation_args=args)
     dense = copy.deepcopy(model)
-    first = run_cut(model, _batches(), settings)
+    first = cut_with(model, _batches(), settings)
     ridge = first.plan.meta["search"]["ridge_cv"]["ridge"]
     assert first.reconstruction["from"] == "levels_database" and ridge > 0.5 > settings.reconstruct_ridge
     path = write_plan(tmp_path / "plan.json", plan_document(first.plan, model, 0, 0, settings))
 
     again = copy.deepcopy(dense)
     with caplog.at_level(logging.INFO, logger="prunelight.cut"):
-        second = run_cut(again, _batches(), prunelight.PruneSettings(plan=str(path)))
+        second = cut_with(again, _batches(), prunelight.PruneSettings(plan=str(path)))
     assert second.reconstruction["ridge"] == pytest.approx(ridge)
     assert second.plan.meta["repair"] == {"reconstruct_ridge": ridge, "chosen_by": "cv"}
     assert "the cut repairs with the plan's reconstruct_ridge" in caplog.text
@@ -818,19 +818,19 @@ def test_a_saved_search_plan_reapplied_repairs_with_its_cross_validated_ridge(tm
     del legacy["plan"]["meta"]["repair"]
     old = tmp_path / "legacy_plan.json"
     old.write_text(json.dumps(legacy))
-    third = run_cut(copy.deepcopy(dense), _batches(), prunelight.PruneSettings(plan=str(old)))
+    third = cut_with(copy.deepcopy(dense), _batches(), prunelight.PruneSettings(plan=str(old)))
     assert third.reconstruction["ridge"] == pytest.approx(ridge)
     ids = torch.cat(_batches(1))
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
     # fewer calibration batches at the cut than in the database: fitted again, with the same ridge
-    fewer = run_cut(copy.deepcopy(dense), _batches(), dataclasses.replace(settings, max_calibration_batches=2))
+    fewer = cut_with(copy.deepcopy(dense), _batches(), dataclasses.replace(settings, max_calibration_batches=2))
     assert "from" not in fewer.reconstruction and fewer.reconstruction["ridge"] == pytest.approx(
         fewer.plan.meta["search"]["ridge_cv"]["ridge"])
     # a plan of the fixed ridge has none: prune.reconstruct_ridge repairs it
     fixed = dataclasses.replace(settings, allocation_args={**args, "cut_ridge": "fixed"})
-    assert run_cut(copy.deepcopy(dense), _batches(), fixed).reconstruction["ridge"] == settings.reconstruct_ridge
+    assert cut_with(copy.deepcopy(dense), _batches(), fixed).reconstruction["ridge"] == settings.reconstruct_ridge
 
 
 

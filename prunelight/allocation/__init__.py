@@ -76,11 +76,16 @@ def precheck(model: nn.Module, settings: CutSettings, shape: Shape = Shape.FREE)
     if rule.check_config is not None:
         rule.check_config(model.config)
     budget = make_budget(model, settings)
+    m = settings.align_channels
+    if m > 1 and m > min(budget.n_chans):  # no layer could keep an aligned MLP, under any allocation and shape
+        raise ValueError(f"prune.align_channels={m} is not allowed: it exceeds the {min(budget.n_chans)} MLP channels "
+                         "of the model's narrowest layer; use a smaller multiple")
     row = allocation_of(settings.allocation)
     if row.precheck is not None:
         row.precheck(budget, settings, shape)
-    if rule.check_sizes is not None and not (shape is not Shape.FREE and row.drops_layers):
-        rule.check_sizes(budget, settings, shape)  # dropped layers are known only after scoring
+    drop = row.drops(budget, settings) if row.drops is not None else set()
+    if rule.check_sizes is not None and drop is not None:
+        rule.check_sizes(budget, settings, shape, drop)
     return budget
 
 

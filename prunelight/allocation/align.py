@@ -22,12 +22,6 @@ def align_channels(
         return removed
     n = budget.num_layers
     live = [i for i in range(n) if i not in fixed and len(removed["mlp"][i]) < budget.n_chans[i]]
-    for i in live:  # refused before any data by the FREE shape's size check (a direct call still hears it)
-        if budget.n_chans[i] < multiple:
-            raise ValueError(
-                f"align_channels={multiple} exceeds layer {i}'s {budget.n_chans[i]} MLP channels; "
-                "use a smaller multiple"
-            )
     order = {i: sorted(range(budget.n_chans[i]), key=lambda j: (-float(scores["mlp"][i][j]), j)) for i in live}
     top = {i: budget.n_chans[i] // multiple * multiple for i in live}
     keep = {}
@@ -35,7 +29,7 @@ def align_channels(
         k = budget.n_chans[i] - len(removed["mlp"][i])
         keep[i] = min(max(int(round(k / multiple)) * multiple, multiple), top[i])
     # Everything but the live layers' channels, counted exactly (biases of emptied sub-blocks, norms of dropped
-    # layers): a live layer keeps at least one step of channels, so those never change here.
+    # layers): a live layer keeps at least one step of channels unless min_channels is 0, so those barely change.
     exact = plan_params_removed(budget, build_plan(budget, removed, set(fixed)))
     others = exact - sum(len(removed["mlp"][i]) for i in live) * budget.c_cost
     step = multiple * budget.c_cost
@@ -47,11 +41,11 @@ def align_channels(
         # Importance of the channels ranked k-multiple..k-1 (the next step to cut, or the last step cut).
         return sum(float(scores["mlp"][i][j]) for j in order[i][k - multiple:k]) / step
 
+    # A kept MLP keeps `budget.keeps("mlp")` channels at least (one multiple; 0 where it may be emptied): the width
+    # allocations fill within those limits, so the steps below reach the target (the run plan checked the sizes).
+    floor = budget.keeps("mlp")
     while total() < budget.target:
-        cands = [i for i in keep if keep[i] - multiple >= multiple]
-        if not cands:
-            raise ValueError(f"align_channels={multiple}: the budget cannot be met with aligned channel counts")
-        i = min(cands, key=lambda i: (step_score(i, keep[i]), i))
+        i = min((i for i in keep if keep[i] - multiple >= floor), key=lambda i: (step_score(i, keep[i]), i))
         keep[i] -= multiple
     while total() - step >= budget.target:
         cands = [i for i in keep if keep[i] + multiple <= top[i]]

@@ -132,8 +132,10 @@ class Allocation:
     rescale: Callable[[UnitScores, Any], UnitScores] | None = None
     """(scores, measured) -> scores on a common scale, applied before any shape's function and a KV-cache target's
     choice (calibrated: the calibration loss); None: the criterion's scores as they are."""
-    drops_layers: bool = False
-    """May drop whole layers, so which layers stay is known only after scoring."""
+    drops: Callable[[Budget, CutSettings], set[int] | None] | None = None
+    """A row that drops whole layers before its shape's width step: the layers it drops as far as model sizes tell
+    (which ones goes by importance, but under a stock or served layout every layer has one size, so the count is
+    known), for the shape's size check before any data; None from it: no width step follows."""
     precheck: Precheck | None = None
     """Model-size checks before any data is read: raise a one-line ValueError when the budget cannot be met."""
     cut: CutStep | None = None

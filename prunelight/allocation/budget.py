@@ -84,6 +84,7 @@ class Budget:
     goal: Target | None = None  # a deployment target (prune.target_*) that set `target`
     kv_groups: int = 0  # a KV-cache target: exactly this many GQA groups go, and no MLP channel
     head_dim: int = 0
+    align: int = 1  # prune.align_channels: a kept MLP is a multiple of this, so it keeps at least one multiple
 
     @property
     def num_layers(self) -> int:
@@ -99,9 +100,15 @@ class Budget:
         return self.n_groups if kind == "attn" else self.n_chans
 
     def limits(self, kind: str) -> list[int]:
-        """Most units of `kind` a width allocation may remove per layer."""
-        keep = self.min_groups if kind == "attn" else self.min_channels
-        return [max(n - keep, 0) for n in self.sizes(kind)]
+        """Most units of `kind` a width allocation may remove per layer: a layer keeps min_groups / min_channels, and
+        with aligned channels an MLP that is kept keeps at least one multiple (`keeps`)."""
+        return [max(n - self.keeps(kind), 0) for n in self.sizes(kind)]
+
+    def keeps(self, kind: str) -> int:
+        """Fewest units of `kind` a kept sub-block keeps (0: it may be emptied)."""
+        if kind == "attn":
+            return self.min_groups
+        return max(self.min_channels, self.align) if self.min_channels else 0
 
     def removable(self, kind: str) -> int:
         """Most parameters width pruning may take from `kind`."""
@@ -144,7 +151,8 @@ def make_budget(model: nn.Module, settings: CutSettings) -> Budget:
     if goal is not None:
         ratio = target / total
     return Budget(n_groups, n_chans, g_cost, c_cost, attn_extra, mlp_extra, layer_extra, total,
-                  decoder_params(model), target, float(ratio), min_groups, min_channels, goal, kv_groups, hd)
+                  decoder_params(model), target, float(ratio), min_groups, min_channels, goal, kv_groups, hd,
+                  settings.align_channels)
 
 
 def params_to_remove(goal: Target, total: int) -> int:
@@ -309,8 +317,7 @@ def build_plan(budget: Budget, removed: Removed, drop: set[int] | None = None) -
         if not keep_g and not keep_c:
             drop.add(i)
         layers.append(LayerPlan(keep_g, keep_c))
-    if len(drop) == budget.num_layers:  # each row's pre-check refuses this before any data (direct calls hear it)
-        raise ValueError("this allocation would remove every decoder layer; lower the ratio")
+    # Never every layer: each row's feasibility (`check_keeps_a_layer`) refused such a target before any data.
     return PrunePlan(layers=layers, num_groups=list(budget.n_groups), num_channels=list(budget.n_chans),
                      drop_layers=sorted(drop))
 

@@ -20,7 +20,7 @@ from prunelight.allocation.calibrated import (
     measure_calibrated,
 )
 from prunelight.allocation.layerwise import LayerwiseOptions, allocate_layerwise, check_layerwise
-from prunelight.allocation.search import SearchOptions, allocate_search, cut_search, measure_search
+from prunelight.allocation.search import SearchOptions, allocate_search, check_search, cut_search, measure_search
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import (
@@ -29,6 +29,7 @@ from prunelight.allocation.structural import (
     allocate_blockwise,
     allocate_depth,
     allocate_depth_uniform,
+    depth_drop,
     check_blockwise,
     check_depth,
 )
@@ -52,7 +53,7 @@ ROWS = (
                block_removal=lambda settings: settings.allocation_options.block_importance == "removal",
                precheck=check_blockwise),
     Allocation("depth", {Shape.FREE: allocate_depth, Shape.UNIFORM: allocate_depth_uniform,
-                         Shape.SERVED: allocate_depth_served}, layer_importance=True, drops_layers=True,
+                         Shape.SERVED: allocate_depth_served}, layer_importance=True, drops=depth_drop,
                options=DepthOptions, precheck=check_depth),
     # Global on the loss scale: the scores are rescaled by measured probes once (`rescale`), so a stock or served
     # layout, a split and a KV-cache target run global's own functions on calibrated costs; FREE adds the caps.
@@ -64,7 +65,7 @@ ROWS = (
     # under stock every uniform shape is measured, under nemotron_nas the search starts from the served layouts.
     Allocation("search", {Shape.FREE: allocate_search, Shape.UNIFORM: allocate_search, Shape.SERVED: allocate_search},
                measure=measure_search, record_as="search", options=SearchOptions, cut=cut_search, zero3=False,
-               precheck=check_removable),
+               precheck=check_search),
 )
 
 ALLOCATIONS: dict[str, Allocation] = {row.name: row for row in ROWS}

@@ -66,9 +66,10 @@ def check_served_config(config) -> None:
                          "attention has no sliding window; use export.format: stock or auto")
 
 
-def check_served_sizes(budget: Budget, settings, shape) -> None:
-    """Some served layout must meet the budget (model sizes only; zero scores stand in for the real ones)."""
-    candidates(zero_scores(budget), budget, settings.align_channels)
+def check_served_sizes(budget: Budget, settings, shape, drop: set[int] = frozenset()) -> None:
+    """Some served layout of the layers not in `drop` must meet the budget (model sizes only; zero scores stand in
+    for the real ones)."""
+    candidates(zero_scores(budget), budget, settings.align_channels, drop)
 
 
 def allocate_served(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
@@ -160,8 +161,6 @@ def served_width(scores: UnitScores, budget: Budget, align: int = 1, drop: set[i
     pool = cands
     if groups_kept is not None:
         pool = [c for c in cands if c["groups_kept"] == groups_kept]
-        if not pool:  # unreachable in a run: the layout search passes a count from these same candidates
-            raise ValueError(f"no served layout keeps {groups_kept} group(s) per attention within the budget")
     if attn_share is not None:
         chosen = min(pool, key=lambda c: (abs(c["attn_share_removed"] - attn_share), c["removed_score"]))
         how = "attn_mlp_split"

@@ -23,14 +23,10 @@ def _no_settings_check(settings: CutSettings) -> None:
     return None
 
 
-def _free_sizes(budget: Budget, settings: CutSettings, shape: Shape) -> None:
+def _free_sizes(budget: Budget, settings: CutSettings, shape: Shape, drop: set[int]) -> None:
     share = settings.attn_share
     if share is not None:
         kind_targets(budget, share)  # each side can give its share of the budget
-    m = settings.align_channels
-    if m > 1 and m > min(budget.n_chans):  # align_channels' own refusal, before any data
-        raise ValueError(f"prune.align_channels={m} is not allowed: it exceeds the {min(budget.n_chans)} MLP channels "
-                         "of the model's narrowest layer; use a smaller multiple")
 
 
 def _finish_free(inp: AllocationInputs, r: Removal) -> Removal:
@@ -63,8 +59,8 @@ class ShapeRule:
     """Settings-only refusals (before any weights load)."""
     check_config: Callable[[Any], None] | None = None
     """Model-config refusals (family, attention kind: before any weights load); the run plan runs it (`prepare_run`, `precheck`)."""
-    check_sizes: Callable[[Budget, CutSettings, Shape], None] | None = None
-    """Model-size refusals (before data is read); skipped for allocations that drop layers (known after scoring)."""
+    check_sizes: Callable[[Budget, CutSettings, Shape, set[int]], None] | None = None
+    """Model-size refusals (before data is read), given the layers the allocation drops first (`Allocation.drops`)."""
     finish: Callable[[AllocationInputs, Removal], Removal] = _finish_as_is
     """What `allocate` does to every allocation's removal under this constraint."""
     kv_target: bool = True

@@ -39,9 +39,10 @@ def check_uniform_settings(settings) -> None:
                          "shape per layer; use prune.ratio, prune.target_params or prune.target_memory")
 
 
-def check_uniform_sizes(budget: Budget, settings, shape: Shape) -> None:
-    """Some uniform shape must meet the budget (model sizes only; zero scores stand in for the real ones)."""
-    candidates(zero_scores(budget), budget, settings.align_channels)
+def check_uniform_sizes(budget: Budget, settings, shape: Shape, drop: set[int] = frozenset()) -> None:
+    """Some uniform shape of the layers not in `drop` must meet the budget (model sizes only; zero scores stand in
+    for the real ones)."""
+    candidates(zero_scores(budget), budget, settings.align_channels, drop)
 
 
 def allocate_uniform_shape(inp: AllocationInputs, drop: set[int] = frozenset()) -> Removal:
@@ -118,8 +119,6 @@ def stock_width(scores: UnitScores, budget: Budget, align: int = 1, drop: set[in
     cands = candidates(scores, budget, align, drop)
     if groups_removed is not None:
         match = [c for c in cands if c["groups_removed_per_layer"] == groups_removed]
-        if not match:  # unreachable in a run: the shape search passes a count from these same candidates
-            raise ValueError(f"no uniform shape removes {groups_removed} group(s) per layer within the budget")
         chosen, how = match[0], "given"
     else:
         chosen, how = choose(cands, attn_share), ("attn_mlp_split" if attn_share is not None else "importance")

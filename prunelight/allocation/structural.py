@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from prunelight.allocation.base import AllocationInputs, Removal, Shape
+from prunelight.allocation.base import AllocationInputs, Removal, Shape, zero_scores
 from prunelight.allocation.budget import Budget, Removed, empty_removed
 from prunelight.allocation.stock import allocate_uniform_shape
-from prunelight.allocation.width import asked, check_keeps_a_layer, global_width
+from prunelight.allocation.width import asked, check_removable, global_width
 from prunelight.importance.base import UnitScores
 from prunelight.validate import choice, flag
 
@@ -60,11 +60,11 @@ def _remove_block(budget: Budget, removed: Removed, kind: str, i: int) -> int:
 
 
 def check_blockwise(budget: Budget, settings, shape: Shape) -> None:
-    """Without fill_width, whole sub-blocks must reach the budget whichever one importance keeps last (the last is
-    never removed): model sizes only, so `blockwise`'s own shortfall refusal is unreachable after scoring."""
-    if settings.allocation_options.fill_width:  # width pruning takes the rest: min_groups = min_channels = 0 could
-        # empty all
-        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)
+    """With fill_width, the width can always take what whole sub-blocks leave when it could take the whole target
+    (a removed sub-block gives at least what width pruning could take from it): the knapsack's own check. Without it,
+    whole sub-blocks must reach the budget whichever one importance keeps last (the last is never removed)."""
+    if settings.allocation_options.fill_width:
+        check_removable(budget, settings, shape)
         return
     totals = [_block_total(budget, k, i) for k in ("attn", "mlp") for i in range(budget.num_layers)
               if budget.sizes(k)[i]]
@@ -82,7 +82,7 @@ def check_depth(budget: Budget, settings, shape: Shape) -> None:
     total, largest = sum(sizes), max(sizes)
     if settings.allocation_options.fill_width:
         every = budget.target >= total  # layers go while they fit in the target
-        check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)  # width fills the kept ones
+        check_removable(budget, settings, shape)  # the width fills the kept layers (as blockwise's, any drop order)
     else:
         if 2 * budget.target < largest:  # the first layer in the order must be nearer the target than nothing
             raise ValueError(f"{asked(settings)} is not allowed with allocation depth and fill_width: false: it asks "
@@ -92,6 +92,14 @@ def check_depth(budget: Budget, settings, shape: Shape) -> None:
     if every:
         raise ValueError(f"{asked(settings)} is not allowed with allocation depth: it would drop all "
                          f"{budget.num_layers} layers ({total:,} parameters); lower the ratio")
+
+
+def depth_drop(budget: Budget, settings) -> set[int] | None:
+    """The layers depth drops before filling the width, as far as sizes tell (the first ones in order stand in for
+    whichever importance picks: the layouts that need the count have layers of one size); None without fill_width."""
+    if not settings.allocation_options.fill_width:
+        return None
+    return depth(zero_scores(budget), budget, [0.0] * budget.num_layers, True)[1]
 
 
 def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequence[float]] | None = None,
@@ -124,8 +132,6 @@ def blockwise(scores: UnitScores, budget: Budget, block_scores: dict[str, Sequen
     if fill_width and total < budget.target:
         # Width pruning of the remaining sub-blocks takes the rest; removed ones count as already taken.
         global_width(scores, budget, removed=removed, layers=None)
-    elif total < budget.target:  # unreachable after check_blockwise (a direct call still hears it)
-        raise ValueError(f"blockwise removal reached only {total:,} of {budget.target:,} parameters; lower the ratio")
     return removed, gone
 
 
@@ -138,8 +144,6 @@ def depth(
     remainder; without it the layer count closest to the budget is dropped.
     """
     n = budget.num_layers
-    if len(importance) != n:
-        raise ValueError(f"layer importance has {len(importance)} values for {n} layers")
     order = sorted(range(n), key=lambda i: (float(importance[i]), i))
     drop: set[int] = set()
     total = 0
@@ -150,10 +154,6 @@ def depth(
             break
         drop.add(i)
         total += size
-    if not fill_width and not drop:  # this and the next: unreachable after check_depth (direct calls still hear them)
-        raise ValueError(f"ratio {budget.ratio} is less than half a layer; depth pruning would remove nothing")
-    if len(drop) >= n:
-        raise ValueError(f"ratio {budget.ratio} would drop all {n} layers; lower the ratio")
     removed = empty_removed(budget)
     for i in drop:
         for kind in ("attn", "mlp"):

@@ -32,8 +32,8 @@ def kind_targets(budget: Budget, attn_share: float | None) -> dict[str, int] | N
         if targets[kind] > budget.removable(kind):
             raise ValueError(
                 f"the attention:MLP split asks {name} for {targets[kind]:,} parameters but at most "
-                f"{budget.removable(kind):,} can be removed there (keeping {budget.min_groups} group(s) / "
-                f"{budget.min_channels} channel(s) per layer); give {name} a smaller share"
+                f"{budget.removable(kind):,} can be removed there (keeping {budget.keeps('attn')} group(s) / "
+                f"{budget.keeps('mlp')} channel(s) per layer); give {name} a smaller share"
             )
     return targets
 
@@ -81,14 +81,14 @@ def uniform_counts(budget: Budget) -> tuple[int, int]:
     layers = budget.num_layers
     frac = budget.target / budget.decoder
     n_g = min(budget.n_groups)
-    k_g = min(int(round(frac * n_g)), budget.target // (layers * budget.g_cost), n_g - budget.min_groups)
+    k_g = min(int(round(frac * n_g)), budget.target // (layers * budget.g_cost), min(budget.limits("attn")))
     rest = budget.target - layers * k_g * budget.g_cost
-    n_c = min(budget.n_chans)
-    k_c = min(max(int(math.ceil(rest / (layers * budget.c_cost))), 0), n_c - budget.min_channels)
+    most_c = min(budget.limits("mlp"))
+    k_c = min(max(int(math.ceil(rest / (layers * budget.c_cost))), 0), most_c)
     if rest > layers * k_c * budget.c_cost:
         raise ValueError(
             f"uniform allocation cannot reach the budget: after {k_g} group(s) per layer the MLP would need "
-            f"more than {n_c - budget.min_channels} channels per layer; use allocation 'global' or a smaller ratio"
+            f"more than {most_c} channels per layer; use allocation 'global' or a smaller ratio"
         )
     return k_g, k_c
 
@@ -119,26 +119,31 @@ def check_removable(budget: Budget, settings, shape: Shape) -> None:
         raise ValueError(
             f"{asked(settings)} asks to remove {budget.target:,} parameters but at most {removable:,} can go "
             f"({removable / budget.total:.1%} of the model) while keeping prune.min_groups={settings.min_groups} "
-            f"group(s) and prune.min_channels={settings.min_channels} channel(s) per layer"
+            f"group(s) and {budget.keeps('mlp')} channel(s) per layer (prune.min_channels={settings.min_channels}, "
+            f"align_channels={settings.align_channels})"
         )
     check_keeps_a_layer(budget, settings, settings.align_channels * budget.c_cost)
 
 
 def check_keeps_a_layer(budget: Budget, settings, overshoot: int) -> None:
-    """With min_groups and min_channels 0 every layer could empty: refuse a target whose removal (which lands below
-    target + `overshoot`) may reach every layer's parameters, so `build_plan`'s refusal is unreachable."""
+    """With min_groups and min_channels 0 every layer could empty: refuse a target whose removal may reach every
+    unit of every layer. The width fills count unit parameters only and land below target + `overshoot`, so below
+    that every fill keeps a unit, and `build_plan` never drops every layer."""
     if settings.min_groups or settings.min_channels or budget.kv_groups:
         return  # every layer keeps a unit (a KV-cache target removes groups only)
-    layers = sum(budget.layer_total(i) for i in range(budget.num_layers))
-    if budget.target + overshoot > layers:
+    units = sum(budget.layer_units(i) for i in range(budget.num_layers))
+    if budget.target + overshoot > units:
         raise ValueError(f"{asked(settings)} is not allowed with prune.min_groups=0 and min_channels=0: it would "
-                         f"remove every decoder layer ({layers:,} parameters); lower the ratio")
+                         f"remove every unit of every decoder layer ({units:,} parameters); lower the ratio")
 
 
 def check_uniform(budget: Budget, settings, shape: Shape) -> None:
     """`uniform` with free shapes: the equal counts must reach the budget (a KV-cache target counts groups only)."""
     if shape is Shape.FREE and not budget.kv_groups:
-        uniform_counts(budget)
+        try:
+            uniform_counts(budget)
+        except ValueError as err:
+            raise ValueError(f"{asked(settings)} is not allowed with allocation uniform: {err}") from None
         check_keeps_a_layer(budget, settings, budget.num_layers * settings.align_channels * budget.c_cost)
 
 

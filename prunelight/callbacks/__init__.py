@@ -16,5 +16,5 @@ def job_callbacks(prune=None, export: ExportSettings | None = None, evaluation=N
     """The pruning job's two callbacks sharing one evaluator (what `prunelight fit` adds to the Trainer)."""
     evaluator = RunEvaluator(evaluation)
     export = export or ExportSettings()
-    return [PruningCallback(prune, evaluator, out_dir=export.out_dir, shape=export.shape),
+    return [PruningCallback(prune, evaluator, export=export),
             ExportCallback(export, evaluator)]

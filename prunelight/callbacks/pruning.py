@@ -21,7 +21,7 @@ from prunelight.model_tuning import model_tuning_line
 from prunelight.paths import FAST_DEV_RUN_DIR
 from prunelight.run_plan import RunFacts, RunPlan, prepare_run
 from prunelight.saved import calibration_identity, scores_key
-from prunelight.settings import PruneSettings
+from prunelight.settings import ExportSettings, PruneSettings
 from prunelight.zero3 import gathered_pruned_copy, shape_twin
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,15 @@ class PruningCallback(L.Callback):
     """
 
     def __init__(self, settings: PruneSettings | None = None, evaluator: RunEvaluator | None = None,
-                 out_dir: str | None = None, shape: Shape = Shape.FREE) -> None:
+                 export: ExportSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or PruneSettings()
         self.evaluator = evaluator
-        self.out_dir = out_dir  # plan.json and scores.pt go here (default: the trainer's default_root_dir)
-        self.shape = shape  # the layer-shape constraint of export.format (ExportSettings.shape)
+        # export.format constrains the cut's layer shapes, export.gguf its widths; plan.json and scores.pt go to
+        # export.out_dir (without export settings: the trainer's default_root_dir, any layer shape)
+        self.export = export
+        self.shape = export.shape if export is not None else Shape.FREE
+        self.out_dir = export.out_dir if export is not None else None
         # The run plan: the CLI's before_fit hands it over; a Trainer built in Python gets it in `setup`.
         self.run_plan: RunPlan | None = None
 
@@ -53,7 +56,7 @@ class PruningCallback(L.Callback):
             return
         if self.run_plan is None:  # a Trainer built in Python: the plan from the module's config, still weightless
             self.run_plan = prepare_run(self.settings, self.shape, pl_module.check_pretrained(),
-                                        run_facts(trainer, pl_module))
+                                        run_facts(trainer, pl_module, self.export))
         if trainer.fast_dev_run:
             # One batch runs in a smoke test: cut at once, on one calibration batch, so surgery is exercised.
             self.run_plan = self.run_plan.with_settings(prune_step=0, max_calibration_batches=1, importance_batches=1)
@@ -200,12 +203,13 @@ def _rebuild_training_state(trainer: L.Trainer, pl_module) -> None:
     strategy.setup_optimizers(trainer)
 
 
-def run_facts(trainer: L.Trainer, pl_module) -> RunFacts:
-    """What the run plan needs to know about this trainer, module and data (configs only, no weights)."""
+def run_facts(trainer: L.Trainer, pl_module, export: ExportSettings | None = None) -> RunFacts:
+    """What the run plan needs to know about this trainer, module, data and export (configs only, no weights)."""
     dm = trainer.datamodule
     teacher = getattr(pl_module, "teacher_config", None)
     return RunFacts(recovery=getattr(pl_module, "recovery", None), max_steps=trainer.max_steps,
                     deepspeed=needs_fresh_engine(trainer.strategy), zero_stage=zero_stage(trainer.strategy),
                     world_size=trainer.world_size, num_samples=getattr(dm, "num_samples", None),
                     distillation=getattr(pl_module, "distillation", None),
-                    teacher_config=teacher() if callable(teacher) else None)
+                    teacher_config=teacher() if callable(teacher) else None,
+                    gguf=export.gguf if export is not None else None)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation.base import AllocationInputs, CutInputs, MeasureInputs, Removal, Shape
+from prunelight.allocation.base import AllocationInputs, CutInputs, MeasureInputs, Removal, Shape, zero_scores
 from prunelight.allocation.budget import Budget, Removed
 from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.search.evolve import SearchResult, auto_generations, evolve, pick_best
@@ -54,11 +54,35 @@ from prunelight.allocation.search.levels import KINDS, Levels, LevelsDatabase, b
 from prunelight.allocation.search.options import SearchOptions
 from prunelight.allocation.search.repair import cut_with_levels
 from prunelight.allocation.search.ridge import cross_validate_ridge
-from prunelight.allocation.search.space import LevelSpace, finish, seed_levels, served_seeds, uniform_seeds
+from prunelight.allocation.search.space import LevelSpace, counts_of, finish, seed_levels, served_seeds, uniform_seeds
+from prunelight.allocation.served import candidates as served_candidates
+from prunelight.allocation.width import asked, check_keeps_a_layer, check_removable
 from prunelight.distributed import ReduceSum
 from prunelight.families import get_family, unwrap
 
 log = logging.getLogger(__name__)
+
+
+def check_search(budget: Budget, settings, shape: Shape) -> None:
+    """The row's feasibility, from model sizes before any data: what the knapsack allocations can remove, within one
+    MLP level of keeping a unit in some layer, and within what the level grid reaches (each sub-block's last level;
+    under the served layout, with the attention of some served layout)."""
+    check_removable(budget, settings, shape)
+    if shape is Shape.UNIFORM:  # the uniform shapes are measured as they are: the stock shape's size check
+        return
+    options = settings.allocation_options
+    space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels, fixed_attn=shape is Shape.SERVED)
+    check_keeps_a_layer(budget, settings, space.window)
+    attn = [space.limits["attn"]]
+    if shape is Shape.SERVED:
+        attn = [counts_of(c["_removed"])["attn"] for c in served_candidates(zero_scores(budget), budget,
+                                                                             settings.align_channels)]
+    most = max(space.cost({"attn": a, "mlp": space.limits["mlp"]}) for a in attn)
+    if budget.target > most:
+        raise ValueError(f"{asked(settings)} is not allowed with allocation search: its levels (MLP widths in steps of "
+                         f"{space.step} channels, prune.allocation_args.mlp_levels={options.mlp_levels}) remove at "
+                         f"most {most:,} of the {budget.target:,} parameters asked; lower the ratio or raise "
+                         "mlp_levels")
 
 
 def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget, scores, settings,

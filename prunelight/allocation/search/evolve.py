@@ -93,8 +93,7 @@ def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: di
             seed_kl[name] = kl
             if kl < best:
                 parent, best = lv, kl
-        if parent is None:
-            raise ValueError("allocation search: no seed assignment meets the budget")
+        # Some seed meets the budget: `check_search` refused, before any data, a budget the levels cannot meet.
         trajectory, start = [{"generation": 0, "kl": best, "seconds": time.perf_counter() - t0}], 0
     bar = progress(range(start, options.generations), "allocation search", total=options.generations, unit="gen")
     bar.update(start)

@@ -51,7 +51,22 @@ class LevelSpace:
         out = {"attn": [min(a, lim) for a, lim in zip(removed_counts["attn"], self.limits["attn"])],
                "mlp": [min(int(round(m / self.step)) * self.step, lim)
                        for m, lim in zip(removed_counts["mlp"], self.limits["mlp"])]}
-        return self.repair(out, random.Random(0))
+        lv = self.repair(out, random.Random(0))
+        if lv is None and not self.fixed_attn:  # the MLP grid alone cannot give the rest: attention gives more
+            lv = self._with_more_attention(out)
+        return lv
+
+    def _with_more_attention(self, levels: Levels) -> Levels | None:
+        """`levels` with GQA groups added (one per sub-block in turn, first layers first) until the MLP grid can meet
+        the budget, then repaired; None when even every group does not (the run plan's `check_search` refuses that)."""
+        lv = {k: list(v) for k, v in levels.items()}
+        most_mlp = sum(self.limits["mlp"]) * self.budget.c_cost
+        while sum(lv["attn"]) * self.budget.g_cost + most_mlp < self.budget.target:
+            room = [i for i, (a, lim) in enumerate(zip(lv["attn"], self.limits["attn"])) if a < lim]
+            if not room:
+                return None
+            lv["attn"][min(room, key=lambda i: (lv["attn"][i], i))] += 1
+        return self.repair(lv, random.Random(0))
 
     def repair(self, levels: Levels, rng: random.Random) -> Levels | None:
         """Move MLP levels of random sub-blocks until the cost is inside the window; None if it cannot."""
@@ -144,8 +159,11 @@ def seed_levels(space: LevelSpace, scores, plans: dict[str, Removed] | None = No
     """The first generation: the uniform counts, global's knapsack on the criterion's scores, and `plans`."""
     budget = space.budget
     out: dict[str, Levels] = {}
-    g, c = uniform_counts(budget)
-    out["uniform"] = space.snap({"attn": [min(g, n) for n in budget.n_groups], "mlp": [c] * budget.num_layers})
+    try:
+        g, c = uniform_counts(budget)
+        out["uniform"] = space.snap({"attn": [min(g, n) for n in budget.n_groups], "mlp": [c] * budget.num_layers})
+    except ValueError:  # equal counts cannot meet this budget (aligned widths): the other seeds can
+        pass
     out["global"] = space.snap(counts_of(global_width(scores, budget)))
     for name, removed in (plans or {}).items():
         out[name] = space.snap(counts_of(removed))
