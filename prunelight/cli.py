@@ -25,7 +25,13 @@ from prunelight.errors import PrunelightError, one_line
 from prunelight.evaluation.run import RunEvaluator
 from prunelight.module import PruneLM
 from prunelight.run_plan import prepare_run
-from prunelight.settings import ExportSettings, PruneSettings, RunEvaluation, refresh_allocation_choices
+from prunelight.settings import (
+    ExportSettings,
+    PruneSettings,
+    RunEvaluation,
+    allocation_options_help,
+    refresh_allocation_choices,
+)
 from prunelight.sources import one_value
 
 log = logging.getLogger("prunelight")
@@ -45,6 +51,9 @@ class PrunelightCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         refresh_allocation_choices()  # rows registered since import are choices too
         parser.add_class_arguments(PruneSettings, "prune")
+        # allocation_args is one mapping for every row: its help lists each row's own options (their dataclasses).
+        args = parser._option_string_actions["--prune.allocation_args"]
+        args.help = f"{args.help} {allocation_options_help()}"
         parser.add_class_arguments(RunEvaluation, "evaluation")
         parser.add_class_arguments(ExportSettings, "export")
         # The data's tokenizer is the model's: one value, so a GGUF folder + file name becomes the file's path.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from prunelight.allocation.base import Allocation, Shape
@@ -44,6 +44,27 @@ ExportFormat = Literal[EXPORT_FORMATS]  # type: ignore[valid-type]
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 GgufType = Literal[GGUF_TYPES]  # type: ignore[valid-type]
 ReconstructionName = Literal[RECONSTRUCTIONS]  # type: ignore[valid-type]
+
+
+def allocation_options_help() -> str:
+    """Every allocation row's own options with their defaults and the first sentence of their docstrings: the help of
+    `prune.allocation_args` (`prunelight fit --help`), made from the rows' option dataclasses."""
+    import docstring_parser  # a dependency of the CLI's help only
+
+    rows = []
+    for name, row in ALLOCATION_ROWS.items():
+        if row.options is None:
+            rows.append(f"{name}: no options.")
+            continue
+        docs = {p.arg_name: (p.description or "") for p in docstring_parser.parse_from_object(row.options).params}
+        opts = []
+        for f in fields(row.options):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            shown = json.dumps(asdict(default) if is_dataclass(default) else default, default=str)
+            first = " ".join(docs.get(f.name, "").split()).split(". ")[0].rstrip(".")
+            opts.append(f"{f.name}={shown}" + (f" ({first})" if first else ""))
+        rows.append(f"{name}: {'; '.join(opts)}.")
+    return " ".join(rows)
 
 
 def refresh_allocation_choices() -> None:

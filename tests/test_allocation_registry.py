@@ -211,3 +211,76 @@ def test_an_allocation_with_its_own_measurement_runs_in_a_cli_fit(spare, tmp_pat
     meta = plan["meta"] if "meta" in plan else plan["plan"]["meta"]
     assert meta["allocation"] == "spare_busiest" and len(meta["spared"]) == 3
     assert cli.model.plan is not None and sum(_layer_widths(cli.model.base_model)) < 4 * 96
+
+
+# --- a toy allocation with its own repair: the row's cut step ------------------------------------------------------
+CUTS: list = []  # every call of the cut step
+
+
+@dataclass
+class Shrink:
+    """What `measure_shrink` measured: the factor the cut step scales each cut MLP's output projection by."""
+
+    factor: float
+
+    def as_dict(self) -> dict:
+        """JSON-able, for the plan's meta."""
+        return {"factor": self.factor}
+
+
+def measure_shrink(inp: MeasureInputs) -> Shrink:
+    """A stand-in measurement: the factor grows with the calibration tokens (so the test sees it was read)."""
+    return Shrink(1.0 - 1.0 / (2 + sum(b.numel() for b in inp.calibration)))
+
+
+def cut_shrunk(inp) -> dict | None:
+    """The row's cut step: the plan cut as the surgery cuts it, then each cut layer's down_proj scaled by the
+    measured factor (its own repair); None (nothing cut) when the run asks for no repair, so the usual cut runs."""
+    CUTS.append(inp)
+    if inp.settings.reconstruct == "none":
+        return None
+    prunelight.apply_plan(inp.model, inp.plan)
+    with torch.no_grad():
+        for i, lp in enumerate(inp.plan.layers):
+            if len(lp.keep_channels) < inp.plan.num_channels[i]:
+                inp.model.model.layers[i].mlp.down_proj.weight.mul_(inp.measured.factor)
+    return {"method": "shrink", "factor": inp.measured.factor, "time_s": 0.0}
+
+
+SHRINK = Allocation("mlp_shrunk", {Shape.FREE: allocate_mlp_only}, measure=measure_shrink, record_as="shrink",
+                    cut=cut_shrunk, precheck=check_mlp_only)
+
+
+@pytest.fixture
+def shrunk(monkeypatch):
+    monkeypatch.setitem(registry.ALLOCATIONS, SHRINK.name, SHRINK)
+    CUTS.clear()
+    return SHRINK
+
+
+def test_an_allocation_with_its_own_cut_step_repairs_the_model_itself(shrunk):
+    """The row's cut step receives the plan and what the row measured, cuts the model (here: the plain cut with
+    down_proj scaled), and its figures are the run's repair; with `reconstruct: none` it declines and the usual cut
+    runs. No package file names it."""
+    settings = {"ratio": 0.1, "criterion": "magnitude", "allocation": "mlp_shrunk", "reconstruct": "least_squares",
+                "model_tuning": {"epochs": 0}}
+    model = tiny_model(num_hidden_layers=3)
+    plain = tiny_model(num_hidden_layers=3)
+    from prunelight.testing import cut_with
+
+    result = cut_with(model, list(_calibration().split(8)), PruneSettings(**settings))
+    assert len(CUTS) == 1 and CUTS[0].plan is result.plan and isinstance(CUTS[0].measured, Shrink)
+    factor = CUTS[0].measured.factor
+    assert result.reconstruction == {"method": "shrink", "factor": factor, "time_s": 0.0}
+    assert result.plan.meta["shrink"] == {"factor": factor} and 0.99 < factor < 1.0
+    prunelight.apply_plan(plain, result.plan)  # the same cut, repaired by hand as the step repairs it
+    with torch.no_grad():
+        for i, lp in enumerate(result.plan.layers):
+            if len(lp.keep_channels) < result.plan.num_channels[i]:
+                plain.model.layers[i].mlp.down_proj.weight.mul_(factor)
+        ids = _calibration()[:2]
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits)
+
+    declined = cut_with(tiny_model(num_hidden_layers=3), list(_calibration().split(8)),
+                        PruneSettings(**{**settings, "reconstruct": "none"}))
+    assert len(CUTS) == 2 and declined.reconstruction is None and declined.cut  # the usual cut ran instead
