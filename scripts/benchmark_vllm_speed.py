@@ -64,11 +64,11 @@ def n_params(folder: Path) -> int:
 
 def time_folder(folder: Path, args, log: Path) -> dict:
     """vLLM timings of one folder (a fresh engine in vLLM's environment)."""
-    from prunelight import bench
+    from prunelight.vllm import run_vllm
 
-    res = bench.run_vllm(args.vllm_python, {"folder": str(folder), "max_model_len": 512,
-                                            "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
-                                                      "decode_tokens": args.decode_tokens, "batch": args.batch}}, log)
+    res = run_vllm(args.vllm_python, {"folder": str(folder), "max_model_len": 512,
+                                      "speed": {"repeats": args.repeats, "prompt_len": args.prompt_len,
+                                                "decode_tokens": args.decode_tokens, "batch": args.batch}}, log)
     runs = res["speed"]
     return {"engine": res["engine"], "architecture": res["architecture"][0], "runs": runs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),

@@ -1,7 +1,7 @@
 """Serving check: every export format prunelight writes is served by vLLM with greedy output equal to transformers'.
 
 For each folder: greedy continuations of a fixed prompt set from transformers (prunelight imported, float32,
-on the folder as written) and from vLLM (its own environment, `scripts/vllm_generate.py`, float32, eager) on
+on the folder as written) and from vLLM (its own environment, `prunelight.vllm`, float32, eager) on
 the same folder; the continuations must be equal token for token, and the largest difference of the chosen
 tokens' log-probabilities is printed. Writes a JSON summary.
 
@@ -62,14 +62,13 @@ def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens
 def vllm_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int, vllm_python: str,
                 max_model_len: int = 512, log: Path | None = None) -> dict:
     """vLLM's greedy tokens and log-probabilities on `folder`, from its own environment (a subprocess)."""
-    from prunelight import bench
+    from prunelight.vllm import run_vllm
 
     # One process (engine core and worker in the caller): the same model code and kernels, without the two extra
     # process starts that each import vLLM again (43 s -> 22 s per folder on 2 cores). The speed benchmark keeps
     # vLLM's default layout.
-    return bench.run_vllm(vllm_python, {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens,
-                                        "max_model_len": max_model_len}, log,
-                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return run_vllm(vllm_python, {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens,
+                                  "max_model_len": max_model_len}, log, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def compare(ref: list[dict], eng: list[dict]) -> dict:

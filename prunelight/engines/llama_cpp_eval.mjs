@@ -1,6 +1,6 @@
 // Run a GGUF in llama.cpp (through node-llama-cpp) on token ids given by Python, print one JSON object.
 //
-// Usage: node scripts/llama_cpp_eval.mjs request.json
+// Usage: node .../prunelight/engines/llama_cpp_eval.mjs request.json (prunelight.llama_cpp.run_llama_cpp runs it)
 // The request: {"model": "x.gguf", "threads": 2, "greedy": {"prompts": [[ids...]], "new_tokens": 16},
 //               "perplexity": {"windows": [[ids...]]}, "speed": {"prompt": [ids...], "new_tokens": 64, "runs": 5}}
 // Every part is optional. Token ids come from Python (transformers' tokenizer), so llama.cpp and transformers

@@ -1,8 +1,9 @@
 """Greedy continuations and their log-probabilities from vLLM, for prunelight's serving check and speed benchmark.
 
-Runs in vLLM's own environment (it imports vllm, json and nothing of prunelight):
+Runs in vLLM's own environment (it imports vllm, json and nothing of prunelight; `prunelight.vllm.run_vllm` starts
+it from the installed package):
 
-    python scripts/vllm_generate.py SPEC.json OUT.json
+    python .../prunelight/engines/vllm_generate.py SPEC.json OUT.json
 
 SPEC: {"folder": ..., "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": 512,
        "trust_remote_code": bool}. OUT: {"engine": "vllm <version>", "architecture": ..., "outputs":
