@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     criteria_known, allocations_known = bench.criteria(), bench.allocations()
     p = bench.parser(__doc__, __file__)
     bench.add_data_arguments(p, samples=128)
-    p.add_argument("--criteria", default=",".join(criteria_known), help="comma-separated names (default: all registered)")
+    p.add_argument("--criteria", default=",".join(criteria_known),
+                   help="comma-separated names (default: all registered)")
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
     p.add_argument("--allocation-args", default="{}", help='JSON, prune settings merged over each preset: {"global": {...}}')

@@ -589,9 +589,10 @@ def main(argv: list[str] | None = None) -> None:
     tiny_tmp = tempfile.TemporaryDirectory(prefix="prunelight-tiny-") if args.tiny_family else None
     if tiny_tmp:
         args.model, args.calibration, args.eval = _tiny_setup(args.tiny_family, Path(tiny_tmp.name))
-        if argv is None or "--samples" not in argv:
+        given = sys.argv[1:] if argv is None else argv  # a tiny model's sizes, unless the command line set them
+        if "--samples" not in given:
             args.samples = 32
-        if argv is None or "--eval-tokens" not in argv:
+        if "--eval-tokens" not in given:
             args.eval_tokens = 4096
     if not args.model or not args.calibration:
         p.error("--model/--calibration/--eval are required when the shared reference data is not found "

@@ -393,3 +393,20 @@ def test_allocations_settings_make_a_labelled_variant_of_the_defaults(tmp_path):
     assert [t["generation"] for t in row["search"]["trajectory"]] == [0, 1]  # the changed generations ran
     assert data["meta"]["settings_variants"] == {"quick": quick}
     assert "| default (quick) | 0.2 |" in (tmp_path / "s.md").read_text()
+
+
+def test_vllm_speed_table_compares_each_folder_with_the_dense_one(tmp_path):
+    """The vLLM speed table from measured rows (no vLLM needed): speed-ups and the ideal against the dense folder."""
+    import argparse
+
+    speed = _benchmark("vllm_speed")
+    rows = [{"name": "dense", "format": "-", "ratio": 0.0, "align_channels": 1, "params": 100, "engine": "vllm x",
+             "architecture": "LlamaForCausalLM", "prefill_tok_s": 1000.0, "decode_tok_s": 100.0},
+            {"name": "stock_20", "format": "stock", "ratio": 0.2, "align_channels": 1, "params": 80,
+             "engine": "vllm x", "architecture": "LlamaForCausalLM", "prefill_tok_s": 1100.0, "decode_tok_s": 120.0}]
+    args = argparse.Namespace(batch=4, prompt_len=256, decode_tokens=64, repeats=5, tag="t", out=str(tmp_path))
+    speed.write(rows, args)
+    data = json.loads((tmp_path / "vllm_speed_t.json").read_text())
+    assert [r["decode_speedup"] for r in data["rows"]] == [1.0, 1.2] and data["rows"][1]["ideal_speedup"] == 1.25
+    assert "| stock_20 | stock (LlamaForCausalLM) | 1 | 80 | 1100 | 120.0 | 1.10 | 1.20 | 1.25 |" in (
+        tmp_path / "vllm_speed_t.md").read_text()
