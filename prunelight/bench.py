@@ -1,9 +1,10 @@
-"""The benchmark scripts' shared harness: models and token data, the run's perplexity protocol, cuts through the
-public API, result files and subprocess workers.
+"""The benchmarks' and scripts' shared harness: models and token data, the run's perplexity protocol, cuts through
+the public API, result files, subprocess workers, and small documented wrappers of what they need beyond it.
 
-Every script in `scripts/` cuts only through `prunelight.prune` / `prunelight.score` / `prunelight.apply_plan`
-(here in `Scorer` and `cut_copy`) or the `prunelight` command, so a figure measured by a script is the figure of the
-cut a `prunelight fit` run makes; `tests/test_benchmarks.py` reads the scripts to keep it so.
+`benchmarks/` and `scripts/` reach the package only through `prunelight` (`prune` / `score` / `apply_plan` /
+`PruneSettings`, cut here in `Scorer` and `cut_copy`), this module and `prunelight.testing` / `prunelight.llama_cpp`,
+so a figure a benchmark measures is the figure of the cut a `prunelight fit` run makes, and a change of the package's
+internals changes this module, not them; `tests/test_benchmarks.py` reads their imports to keep it so.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelight.allocation import count_params  # noqa: F401 - the scripts' parameter count (tied weights once)
-from prunelight.settings import PruneSettings
+from prunelight.allocation import count_params  # noqa: F401 - the benchmarks' parameter count (tied weights once)
+from prunelight.settings import GGUF_TYPES, PruneSettings  # noqa: F401 - GGUF_TYPES: the types write_gguf takes
 
-# The method presets (`configs/methods/*.yaml`, fragments over a base run) live beside the package in a checkout.
+# The method presets (`configs/methods/*.yaml`, fragments over a base run) and the results folder live beside the
+# package in a checkout.
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "methods"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "benchmarks"
 
 
 def shared_path(*parts: str) -> str | None:
@@ -302,9 +305,243 @@ def write_results(stem: str | Path, data: dict[str, Any], markdown: str | None =
     return path
 
 
-def add_data_arguments(parser: argparse.ArgumentParser, model: bool = True) -> None:
+def write_text(path: str | Path, text: str) -> Path:
+    """`text` written atomically to `path` (its folder made); returns the path."""
+    from prunelight.atomic import atomic_write_text
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, text)
+    return Path(path)
+
+
+def parser(doc: str | None, file: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark or script: its docstring as the help, named as it is run."""
+    path = Path(file)
+    prog = f"python -m benchmarks {path.stem}" if path.parent.name == "benchmarks" else f"python scripts/{path.name}"
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    """A matplotlib figure written to `path` (write-then-rename) and closed; returns the path."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=dpi)
+    pyplot().close(fig)
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What benchmarks and scripts need beyond the public API, each wrapped once here so that they never import the
+# package's internals (which move): registries, measurements the run's report makes, export and GGUF writing.
+
+def criteria() -> list[str]:
+    """The registered importance criteria (`prune.criterion` choices), in registry order."""
+    from prunelight.importance import CRITERIA
+
+    return list(CRITERIA)
+
+
+def allocations() -> list[str]:
+    """The registered allocations (`prune.allocation` choices), rows registered at run time included."""
+    from prunelight.allocation import ALLOCATIONS
+
+    return list(ALLOCATIONS)
+
+
+def peak_memory(device: str | torch.device = "cpu") -> Any:
+    """The report's peak-memory measurement over a `with` block (`.peak` and `.rise` in bytes or None, `.kind`)."""
+    from prunelight.evaluation.efficiency import PeakMemory
+
+    return PeakMemory(torch.device(device))
+
+
+@dataclass(frozen=True)
+class CriterionNeeds:
+    """What a criterion's scoring pass needs, which decides the plain pass it is compared with."""
+
+    data: bool  # calibration text (False: scores from the weights alone)
+    backward: bool  # a backward pass
+    weight_grads: bool  # weight gradients (else activation gradients only)
+    micro_batch_size: int | None  # rows per forward when it splits batches
+
+
+def criterion_needs(name: str) -> CriterionNeeds:
+    """The needs of the criterion registered as `name`."""
+    from prunelight.importance import build_criterion
+    from prunelight.testing import tiny_model
+
+    crit = build_criterion(name)
+    return CriterionNeeds(crit.needs_data, crit.needs_backward, bool(crit.grad_params(tiny_model("llama"))),
+                          crit.micro_batch_size)
+
+
+def scoring_pass(model: nn.Module, batches: Sequence[torch.Tensor], criterion: str,
+                 all_weight_grads: bool = False) -> None:
+    """One importance pass of `criterion` over `batches`, as a run scores units (the unit scores `prunelight.score`
+    returns, without layer measures); `all_weight_grads` makes every weight require grad and keep its gradient for
+    the whole pass, as a training-style backward does (the naive reference of the scoring-cost table)."""
+    from prunelight.calibration import run_calibration
+    from prunelight.importance import build_criterion
+
+    crit = build_criterion(criterion)
+    if all_weight_grads:
+        own = crit.grad_params
+        crit.grad_params = lambda m: list(dict.fromkeys([*own(m), *m.parameters()]))
+    run_calibration(model, batches if crit.needs_data else [], crit)
+    for p in model.parameters():
+        p.grad = None
+
+
+def paper_blocks(tokenizer: str | Path, eval: str | Path, seq_len: int, windows: int | None = None) -> torch.Tensor:
+    """The papers' perplexity windows ([n, seq_len] ids): `eval` rows joined by blank lines, the tokenizer's default
+    special tokens once, non-overlapping `seq_len` windows (the first `windows` of them)."""
+    from prunelight.data import TextSource, pack_blocks, tokenize_source
+
+    ids = tokenize_source(load_tokenizer(tokenizer), TextSource(path=str(eval), protocol="paper"))
+    return pack_blocks(ids, seq_len)[:windows]
+
+
+def shape_settings(ratio: float, **overrides: Any) -> PruneSettings:
+    """A cut for speed and serving checks, where the shapes matter and not which units go: weight magnitude (no
+    calibration text), global allocation, no repair; `overrides` (align_channels, min_groups, ...) on top."""
+    return PruneSettings(**{"ratio": ratio, "criterion": "magnitude", "allocation": "global", "reconstruct": "none",
+                            **overrides})
+
+
+def speed_rows(model: nn.Module, batch_sizes: Sequence[int], label: str = "", **options: Any) -> list[dict[str, Any]]:
+    """The report's speed measurement (`measure_speed`: prefill of a random prompt, then decode steps with the KV
+    cache; `options` are its prompt_len, new_tokens, repeats, warmup) at each batch size, one row each."""
+    from prunelight.evaluation.efficiency import measure_speed
+
+    rows = []
+    for bs in batch_sizes:
+        rows.append(measure_speed(model, batch_size=bs, **options))
+        print(f"[speed] {label} batch {bs}: prefill {rows[-1]['prefill_tokens_per_s']:,.0f} tok/s, decode "
+              f"{rows[-1]['decode_tokens_per_s']:,.1f} tok/s", flush=True)
+    return rows
+
+
+def add_speedups(rows: list[dict[str, Any]], rates: dict[str, str], is_base, same: Sequence[str] = ()
+                 ) -> list[dict[str, Any]]:
+    """Per row, against the base row (`is_base(row)`) with equal `same` fields: `ideal_speedup` (base params /
+    params) and, for each `rates` name -> key, `<name>_speedup` (rate / base rate) and `<name>_vs_ideal`. A row
+    without a base is left as it is."""
+    base = {tuple(r[k] for k in same): r for r in rows if is_base(r)}
+    for r in rows:
+        b = base.get(tuple(r[k] for k in same))
+        if b is None:
+            continue
+        r["ideal_speedup"] = b["params"] / r["params"]
+        for name, key in rates.items():
+            r[f"{name}_speedup"] = r[key] / b[key]
+            r[f"{name}_vs_ideal"] = r[f"{name}_speedup"] / r["ideal_speedup"]
+    return rows
+
+
+def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
+    """Per decoder layer, read from the modules: attention heads, KV heads and MLP channels (0: sub-block removed)."""
+    from prunelight.families import get_family
+
+    return [s.as_dict() for s in get_family(model).layer_shapes(model)]
+
+
+def export(model: nn.Module, folder: str | Path, tokenizer: Any = None, format: str = "auto") -> Path:
+    """`model` written as a Hugging Face folder, as a run's export writes it (`export.format` = `format`)."""
+    from prunelight.export import export_pretrained
+
+    return export_pretrained(model, folder, tokenizer, format=format)
+
+
+def export_format(folder: str | Path) -> str:
+    """The export format of a written folder, from its config.json: stock, nemotron_nas or prunelight."""
+    from prunelight.export import format_of
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return format_of(argparse.Namespace(**config))
+
+
+def write_gguf(model: nn.Module, path: str | Path, dtype: str = "f16", source_gguf: str | Path | None = None) -> Path:
+    """`model` written as one GGUF file of type `dtype` (one of GGUF_TYPES), as `export.gguf` writes it; the
+    tokenizer keys from `source_gguf`, the file the model was loaded from."""
+    from prunelight.gguf_export import write_gguf as write
+
+    return write(model, path, dtype, source_gguf=source_gguf)
+
+
+def add_lora(model: nn.Module, r: int, dropout: float = 0.0) -> nn.Module:
+    """`model` wrapped with LoRA adapters of rank `r` (alpha 2r) on its family's projections, as recovery adds
+    them; only the adapters are trainable (`.unload()` gives the model back)."""
+    from prunelight.recovery import LoRASettings
+    from prunelight.recovery import add_lora as add
+
+    return add(model, LoRASettings(r=r, alpha=2 * r, dropout=dropout))
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model's counts for on-paper memory, made as a run makes them (its `Budget` at a ratio, the family's LoRA
+    targets) on a weightless meta-device copy: nothing is loaded, so a 70B config costs nothing."""
+
+    params: int  # every parameter, tied embeddings once
+    params_removed: int  # what a run's cut at the ratio removes
+    unit_params: int  # parameters of the decoder layers' GQA groups and MLP channels (what width pruning counts)
+    units: int  # scored units: one per GQA group and per MLP channel
+    layer_params: int  # every parameter of the first decoder layer
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int  # the first layer's query heads, KV heads and MLP channels
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    lora_shapes: list[tuple[int, int]]  # (uncut, cut) side of every LoRA-adapted linear of every layer
+
+
+def architecture(config: Any, ratio: float) -> Architecture:
+    """The counts of a transformers `config` with `ratio` of its parameters removed."""
+    from prunelight.allocation import make_budget
+    from prunelight.families import get_family
+    from prunelight.zero3 import meta_model
+
+    model = meta_model(config)
+    budget = make_budget(model, PruneSettings(ratio=ratio))
+    family = get_family(model)
+    first = family.layer_shapes(model)[0]
+    targets = set(family.lora_targets)
+    cut_inputs = {family.o_name, family.down_name}  # these lose input columns; the others lose output rows
+    shapes = [(m.out_features, m.in_features) if short in cut_inputs else (m.in_features, m.out_features)
+              for layer in family.layers(model) for n, m in layer.named_modules()
+              if isinstance(m, nn.Linear) and (short := n.rsplit(".", 1)[-1]) in targets]
+    return Architecture(
+        params=budget.total, params_removed=budget.target,
+        unit_params=sum(budget.layer_units(i) for i in range(budget.num_layers)),
+        units=sum(budget.n_groups) + sum(budget.n_chans), layer_params=budget.layer_total(0),
+        layers=budget.num_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+        heads=first.num_attention_heads, kv_heads=first.num_key_value_heads, head_dim=budget.head_dim,
+        intermediate=first.intermediate_size, lora_shapes=shapes)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, model: bool = True, samples: int | None = None) -> None:
     """--model (the reference model) and --calibration / --eval (WikiText-2 valid / test), defaulting to the shared
-    reference data when it is there."""
+    reference data when it is there; with `samples`, the windows too: --samples (that default), --seq-len,
+    --batch-size (calibration), --eval-batch-size and --seed."""
+    if samples is not None:
+        parser.add_argument("--samples", type=int, default=samples, help="calibration windows")
+        parser.add_argument("--seq-len", type=int, default=128, help="tokens per window")
+        parser.add_argument("--batch-size", type=int, default=8, help="calibration windows per batch")
+        parser.add_argument("--eval-batch-size", type=int, default=16, help="evaluation windows per batch")
+        parser.add_argument("--seed", type=int, default=0, help="which calibration windows")
     if model:
         parser.add_argument("--model", default=shared_path("models", "ref-llama-gqa"),
                             help="a Hugging Face model folder (default: the shared reference model)")
@@ -353,6 +590,9 @@ def run_worker(args: Sequence[str], threads: int | None = None, timeout: float |
     with tempfile.TemporaryDirectory(prefix="prunelight-worker-") as tmp:
         out = Path(tmp) / "out.json"
         full_env = {**os.environ, **(env or {})}
+        # the worker imports the prunelight its parent runs (a checkout need not be installed)
+        package_root = str(Path(__file__).resolve().parents[1])
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH")) if p)
         if threads:
             full_env["OMP_NUM_THREADS"] = str(threads)
         try:

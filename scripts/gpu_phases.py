@@ -9,10 +9,11 @@ meaningless, memory and time are real. Phases, each timed (device synchronised) 
            --calib-batches batches of 1 x --seq-len tokens
   cut      `prunelight.prune` at --ratio from the taylor scores (global allocation, least-squares repair on the
            same batches), on a copy of the dense model
-  export   `prunelight.export.export_pretrained` of the cut model (format auto: the layout its shapes need) into --work
+  export   the run's export of the cut model (`prunelight.bench.export`, format auto: the layout its shapes need)
+           into --work
   lora     --lora-steps AdamW steps of LoRA r=--lora-r (the family's targets) on the cut model, gradient
            checkpointing, 1 x --seq-len tokens per step
-  speed    `measure_speed` (prefill of --prompt-len tokens, then --new-tokens decode steps with the KV cache) of the
+  speed    the report's speed measurement (`prunelight.bench.speed_rows`: prefill of --prompt-len tokens, then --new-tokens decode steps with the KV cache) of the
            dense model and of cuts at --speed-ratios (from the same taylor scores, no repair: the shapes are what
            matters), with align_channels 1 and --align, at each --batch-sizes; `torch.compile` too with --compile
            (--compile-mode regional: each decoder layer compiled on its own, PyTorch's regional compilation: the
@@ -134,15 +135,14 @@ def markdown(data: dict) -> str:
     if data["speed"]:
         lines += ["", "| model | params (B) | compile | batch | prefill tok/s | decode tok/s | prefill x dense | "
                   "decode x dense | ideal | decode / ideal |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-        dense = {(r["batch_size"], r["compile"]): r for r in data["speed"] if r["model"] == "dense"}
+        bench.add_speedups(data["speed"], {"prefill": "prefill_tokens_per_s", "decode": "decode_tokens_per_s"},
+                           lambda r: r["model"] == "dense", ("batch_size", "compile"))
+        nan = float("nan")
         for r in data["speed"]:
-            d = dense.get((r["batch_size"], r["compile"]))
-            ideal = d["params"] / r["params"] if d else float("nan")
-            pre = r["prefill_tokens_per_s"] / d["prefill_tokens_per_s"] if d else float("nan")
-            dec = r["decode_tokens_per_s"] / d["decode_tokens_per_s"] if d else float("nan")
             lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f} | {r['compile']} | {r['batch_size']} | "
-                         f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.1f} | {pre:.2f}x | "
-                         f"{dec:.2f}x | {ideal:.2f}x | {dec / ideal:.0%} |")
+                         f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.1f} | "
+                         f"{r.get('prefill_speedup', nan):.2f}x | {r.get('decode_speedup', nan):.2f}x | "
+                         f"{r.get('ideal_speedup', nan):.2f}x | {r.get('decode_vs_ideal', nan):.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,11 +157,9 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype):
 
 def lora_steps(model, args: argparse.Namespace, device: torch.device) -> dict:
     """LoRA recovery steps with gradient checkpointing; mean step time after two warm-up steps."""
-    from prunelight.recovery import LoRASettings, add_lora
-
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    peft_model = add_lora(model, LoRASettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0))
+    peft_model = bench.add_lora(model, args.lora_r)
     peft_model.train()
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
@@ -205,22 +203,16 @@ def uncompile(model) -> None:
 
 
 def speed_rows(name: str, model, args: argparse.Namespace, compile_now: bool) -> list[dict]:
-    """measure_speed at every batch size (under torch.compile when `compile_now`)."""
-    from prunelight.evaluation.efficiency import measure_speed
-
-    params = sum(p.numel() for p in model.parameters())
+    """The speed at every batch size (under torch.compile when `compile_now`)."""
+    facts = {"model": name, "params": bench.count_params(model),
+             "compile": args.compile_mode if compile_now else False}
+    keep = ("batch_size", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_latency_ms_per_token",
+            "prefill_latency_ms", "peak_memory_bytes")
     run = compile_model(model, args.compile_mode) if compile_now else model
-    rows = []
     try:
-        for bs in args.batch_sizes:
-            s = measure_speed(run, batch_size=bs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                              repeats=args.repeats, warmup=args.warmup)
-            rows.append({"model": name, "params": params, "compile": args.compile_mode if compile_now else False,
-                         **{k: s[k] for k in ("batch_size", "prefill_tokens_per_s", "decode_tokens_per_s",
-                                              "decode_latency_ms_per_token", "prefill_latency_ms",
-                                              "peak_memory_bytes")}})
-            print(f"[speed] {name} bs={bs} compile={compile_now}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
-                  f"decode {s['decode_tokens_per_s']:,.1f} tok/s", flush=True)
+        rows = [{**facts, **{k: s[k] for k in keep}} for s in bench.speed_rows(
+            run, args.batch_sizes, f"{name}, compile {compile_now}", prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, repeats=args.repeats, warmup=args.warmup)]
     finally:
         if compile_now and args.compile_mode == "regional":
             uncompile(model)
@@ -324,13 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     pruned = out["model"] if out else None
     if pruned is not None:
         def export():
-            from prunelight.evaluation.efficiency import folder_bytes
-            from prunelight.export import export_pretrained
-
             folder = Path(args.work) / "export"
             shutil.rmtree(folder, ignore_errors=True)
-            export_pretrained(pruned, folder, format="auto")
-            size = folder_bytes(folder)
+            bench.export(pruned, folder, format="auto")
+            size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
             shutil.rmtree(folder, ignore_errors=True)
             return {"record": {"export_gib": size / GIB}}
 
@@ -339,9 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         del pruned, out
 
     def cut_for_speed(ratio: float, align: int):
-        model = copy.deepcopy(dense)
-        settings = bench.preset_settings(None, ratio=ratio, criterion="taylor", allocation="global",
-                                         reconstruct="none", align_channels=align)
+        model = copy.deepcopy(dense)  # the taylor scores: shapes of a data criterion's cut, no repair
+        settings = bench.shape_settings(ratio, criterion="taylor", align_channels=align)
         prunelight.prune(model, settings, calibration, scores=taylor)
         return model
 

@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct (the shared Q4_1 GGUF, dequantized to float32) dense, a uniform 20% cut, a per-layer 20%
 cut (prunelight's global allocation of FLAP scores, channels aligned to 32: a GQA group gone in some layers), and
 that cut plus a no-op attention (layer 3) and a no-op MLP (layer 7); units ranked by FLAP on 16 x 128 tokens of
-the shipped calibration text, no reconstruction. Each is written as
-GGUF in every type (`prunelight.gguf_export.write_gguf`) and run in llama.cpp (node-llama-cpp, 2 threads):
+the shipped calibration text, no reconstruction. Each is written as GGUF in every type (`prunelight.bench.write_gguf`,
+as `export.gguf` writes it) and run in llama.cpp (node-llama-cpp, 2 threads):
 
 - greedy 16 tokens on 4 prompts, compared with transformers on the file's own weights (each matrix rounded
   through the GGUF type and back): equal for F32 (asserted); for F16 equal up to near ties (asserted: where the
@@ -32,16 +32,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # a checkout runs without installing prunelight
 
 import prunelight  # noqa: E402
 from prunelight import bench  # noqa: E402
-from prunelight.families import get_family  # noqa: E402
-from prunelight.gguf_export import GGUF_TYPES, write_gguf  # noqa: E402
 from prunelight.llama_cpp import (  # noqa: E402
     NEAR_TIE, SMOLLM2, WIKITEXT, calibration_batches, engine_missing, greedy_agreement, hf_greedy,
     hf_perplexity, run_llama_cpp, token_windows)
-from prunelight.settings import PruneSettings  # noqa: E402
 from prunelight.testing import sized_plan  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
@@ -56,7 +53,8 @@ def flap_cut(model, tokenizer, samples: int = 16, seq_len: int = 128):
     """FLAP scores and prunelight's global 20% plan (channels aligned to 32) on the first calibration windows
     (`prunelight.score`, then `prunelight.prune` of a copy from those scores: `model` is not cut)."""
     batches = calibration_batches(tokenizer, samples, seq_len)
-    settings = PruneSettings(criterion="flap", allocation="global", ratio=0.2, reconstruct="none", align_channels=32)
+    settings = prunelight.PruneSettings(criterion="flap", allocation="global", ratio=0.2, reconstruct="none",
+                                        align_channels=32)
     scores = prunelight.score(model, settings, batches)
     _, plan = prunelight.prune(copy.deepcopy(model), settings, batches, scores=scores)
     return scores.unit_scores, plan
@@ -64,11 +62,11 @@ def flap_cut(model, tokenizer, samples: int = 16, seq_len: int = 128):
 
 def case_plan(model, case: str, scores, global_plan):
     """The plan of a case (None: dense): units ranked by FLAP, widths sized by hand or by the global allocation."""
-    shapes = get_family(model).layer_shapes(model)
+    shapes = bench.layer_shapes(model)
     if case == "dense":
         return None
     if case == "uniform20":  # every layer keeps its 3 groups and 1024 of 1536 channels: 19.7% of the parameters
-        return sized_plan(model, [s.num_key_value_heads for s in shapes], [1024] * len(shapes), scores)
+        return sized_plan(model, [s["num_key_value_heads"] for s in shapes], [1024] * len(shapes), scores)
     if case == "perlayer20":  # prunelight's global allocation: per-layer widths, a GQA group gone in some layers
         return global_plan
     # the global plan, plus a no-op attention (layer 3) and a no-op MLP (layer 7)
@@ -100,7 +98,7 @@ def check_case(model, source_gguf, prompts, windows, types, folder: Path, thread
     ppl_float = hf_perplexity(model, windows)
     for dtype in types:
         t0 = time.perf_counter()
-        path = write_gguf(model, folder / f"m.{dtype}.gguf", dtype, source_gguf=source_gguf)
+        path = bench.write_gguf(model, folder / f"m.{dtype}.gguf", dtype, source_gguf=source_gguf)
         write_s = time.perf_counter() - t0
         got = run_llama_cpp({"model": str(path), "threads": threads,
                              "greedy": {"prompts": prompts, "new_tokens": NEW_TOKENS},
@@ -129,11 +127,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SMOLLM2)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--types", default=",".join(GGUF_TYPES))
+    ap.add_argument("--types", default=",".join(bench.GGUF_TYPES))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window-len", type=int, default=256)
     ap.add_argument("--text", default=str(WIKITEXT))
-    ap.add_argument("--out", default=str(ROOT / "results" / "benchmarks" / "llama_cpp_check"))
+    ap.add_argument("--out", default=str(bench.RESULTS / "llama_cpp_check"))
     args = ap.parse_args()
     why = engine_missing()
     if why:
@@ -153,18 +151,15 @@ def main() -> int:
             plan = case_plan(model, case, scores, global_plan)
             if plan is not None:
                 prunelight.apply_plan(model, plan)
-            shapes = get_family(model).layer_shapes(model)
+            shapes = [tuple(s.values()) for s in bench.layer_shapes(model)]
             for row in check_case(model, source_gguf, prompts, windows, args.types.split(","), Path(tmp)):
                 row.update(case=case, params=sum(p.numel() for p in model.parameters()),
                            per_layer=len(set(shapes)) > 1)
                 results.append(row)
                 print(json.dumps(row))
             del model
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "text": Path(args.text).name, "windows": args.windows, "window_len": args.window_len,
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "tolerance": PPL_TOLERANCE, "greedy_equal": GREEDY_EQUAL}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
     lines = [f"# llama.cpp check ({results[0]['llama_cpp']['repo']} {results[0]['llama_cpp']['release']} via "
              f"node-llama-cpp 3.21.1)", "",
              f"`python scripts/llama_cpp_check.py` on {args.model}: greedy {NEW_TOKENS} tokens on {len(PROMPTS)} prompts "
@@ -181,9 +176,9 @@ def main() -> int:
                      f"{', '.join(f'{g:.4f}' for g in r['greedy_divergence_gaps']) or '-'} | "
                      f"{r['ppl_llama_cpp']:.3f} | {r['ppl_transformers_float32']:.3f} | {100 * r['rel_diff']:.2f}% | "
                      f"{'yes' if r['ok'] else 'NO'} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    bench.write_results(args.out, {"meta": meta, "rows": results}, "\n".join(lines) + "\n")
     failed = [r for r in results if not r["ok"]]
-    print(f"{len(results) - len(failed)}/{len(results)} passed; written to {out}.md")
+    print(f"{len(results) - len(failed)}/{len(results)} passed; written to {args.out}.md")
     return 1 if failed else 0
 
 

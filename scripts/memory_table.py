@@ -4,8 +4,8 @@
     python scripts/memory_table.py --model path/or/hub-id  # any GQA config transformers can read
     python scripts/memory_table.py --seq-len 4096 --gpus 16 --ratio 0.3 --lora-r 32
 
-Counts are estimates from the architecture alone (no weights are loaded: the model is built on the meta
-device and counted by prunelight's `Budget`, as a run counts it, with the family's own unit costs): bf16 weights, fp32
+Counts are estimates from the architecture alone (no weights are loaded: `prunelight.bench.architecture` counts
+a meta-device copy as a run counts it, with the family's own unit costs): bf16 weights, fp32
 per-unit statistics, bf16 activations kept for backward (with and without gradient
 checkpointing), fp32 logits for the loss, and mixed-precision AdamW states (fp32 master weights,
 m and v: 12 bytes per trained parameter, plus its 2-byte gradient; LoRA adapters train in fp32:
@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from prunelight.allocation import Budget, make_budget
-from prunelight.settings import PruneSettings
+from prunelight import bench
 
 GIB = 1024**3
 
@@ -36,76 +35,52 @@ BUILTIN = {
 
 @dataclass
 class Arch:
-    """What memory depends on, counted by prunelight on a weightless (meta-device) copy of the model.
-
-    Parameter counts are the `Budget` of a run with this ratio (the family's own unit costs, tied embeddings
-    once); LoRA shapes are the family's LoRA targets; activations use the first layer's widths.
-    """
+    """What memory depends on: a model's counts (`bench.architecture`: the `Budget` of a run with this ratio, the
+    family's LoRA targets, tied embeddings once); activations use the first layer's widths."""
 
     name: str
-    budget: Budget
-    hidden: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    lora_shapes: list[tuple[int, int]]  # (uncut, cut) sides of every LoRA-adapted linear of every layer
+    counts: bench.Architecture
 
     @property
     def layers(self) -> int:
         """Decoder layers."""
-        return self.budget.num_layers
+        return self.counts.layers
 
     def keep(self) -> float:
         """Width fraction of the scored units (GQA groups and MLP channels) the ratio's cut leaves."""
-        units = sum(self.budget.layer_units(i) for i in range(self.layers))
-        return 1 - self.budget.target / units
+        return 1 - self.counts.params_removed / self.counts.unit_params
 
     def params(self, pruned: bool = False) -> float:
         """All parameters, dense or after the ratio's cut (embeddings and head are never pruned)."""
-        return self.budget.total - (self.budget.target if pruned else 0)
+        return self.counts.params - (self.counts.params_removed if pruned else 0)
 
     def lora_params(self, r: int, keep: float = 1.0) -> float:
         """LoRA adapter parameters on the family's target projections of every layer, rank r (the cut side of each
         projection shrinks with the width)."""
-        return sum(r * (fixed + keep * cut) for fixed, cut in self.lora_shapes)
+        return sum(r * (fixed + keep * cut) for fixed, cut in self.counts.lora_shapes)
 
     def units(self) -> int:
         """Scored units: one per GQA group and per MLP channel."""
-        return sum(self.budget.n_groups) + sum(self.budget.n_chans)
+        return self.counts.units
 
     def act_per_token_layer(self, keep: float = 1.0) -> float:
         """bf16 bytes autograd keeps per token in one layer (norm in/out, q/k/v and rotary copies,
         attention output, o_proj input, residual, gate/up outputs, SiLU and product): fused attention."""
-        q, kv, i = keep * self.heads * self.head_dim, keep * self.kv_heads * self.head_dim, keep * self.inter
-        return 2 * (6 * self.hidden + 3 * q + 4 * kv + 4 * i)
+        c = self.counts
+        q, kv, i = keep * c.heads * c.head_dim, keep * c.kv_heads * c.head_dim, keep * c.intermediate
+        return 2 * (6 * c.hidden + 3 * q + 4 * kv + 4 * i)
 
 
 def arch(name: str, ratio: float) -> Arch:
     """The Arch of a built-in model or of a transformers config (local folder or hub id); no weights are loaded."""
-    from torch import nn
     from transformers import AutoConfig
-
-    from prunelight.families import get_family
-    from prunelight.zero3 import meta_model
 
     if name in BUILTIN:
         spec = dict(BUILTIN[name])
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     else:
         config = AutoConfig.from_pretrained(name)
-    model = meta_model(config)  # shapes only: a 70B model costs nothing here
-    budget = make_budget(model, PruneSettings(ratio=ratio))
-    family = get_family(model)
-    first = family.layer_shapes(model)[0]
-    targets = set(family.lora_targets)
-    cut_inputs = {family.o_name, family.down_name}  # these lose input columns; the others lose output rows
-    shapes = [(m.out_features, m.in_features) if short in cut_inputs else (m.in_features, m.out_features)
-              for layer in family.layers(model) for n, m in layer.named_modules()
-              if isinstance(m, nn.Linear) and (short := n.rsplit(".", 1)[-1]) in targets]
-    a = Arch(name, budget, config.hidden_size, config.vocab_size, first.num_attention_heads,
-             first.num_key_value_heads, budget.head_dim, first.intermediate_size, shapes)
+    a = Arch(name, bench.architecture(config, ratio))  # shapes only: a 70B model costs nothing here
     if a.keep() <= 0:
         raise ValueError(f"--ratio {ratio} removes more than the decoder layers' GQA groups and MLP channels hold")
     return a
@@ -113,9 +88,9 @@ def arch(name: str, ratio: float) -> Arch:
 
 def components(a: Arch, seq: int, batch: int, ratio: float, r: int) -> dict[str, float]:
     """Bytes of each memory component for one model copy (not yet divided over GPUs)."""
-    keep = a.keep()
+    keep, c = a.keep(), a.counts
     tokens = seq * batch
-    logits = tokens * a.vocab * 4 * 2  # fp32 logits and their log-softmax / gradient
+    logits = tokens * c.vocab * 4 * 2  # fp32 logits and their log-softmax / gradient
     p_dense, p_pruned = a.params(), a.params(pruned=True)
     lora = a.lora_params(r, keep)
     return {
@@ -123,17 +98,17 @@ def components(a: Arch, seq: int, batch: int, ratio: float, r: int) -> dict[str,
         "weights_pruned_bf16": 2 * p_pruned,
         "statistics_fp32": 4 * a.units(),
         "act_scoring_no_ckpt": tokens * a.layers * a.act_per_token_layer() + logits,
-        "act_scoring_ckpt": tokens * (a.layers * 2 * a.hidden + a.act_per_token_layer()) + logits,
+        "act_scoring_ckpt": tokens * (a.layers * 2 * c.hidden + a.act_per_token_layer()) + logits,
         # activation-gradient criteria (taylor, fisher, ...) read each unit's output at o_proj/down_proj input; under
         # checkpointing that tensor is held, not recomputed, for every layer (seen on an H100: 21.2 GiB peak for
         # Llama-3-8B taylor at 2048 tokens, 17.8 on paper without it)
-        "held_unit_outputs_ckpt": tokens * a.layers * 2 * (a.heads * a.head_dim + a.inter),
-        "act_recovery_ckpt": tokens * (a.layers * 2 * a.hidden + a.act_per_token_layer(keep)) + logits,
+        "held_unit_outputs_ckpt": tokens * a.layers * 2 * (c.heads * c.head_dim + c.intermediate),
+        "act_recovery_ckpt": tokens * (a.layers * 2 * c.hidden + a.act_per_token_layer(keep)) + logits,
         "lora_params": lora,
         "lora_train_state": 16 * lora,  # fp32 weight + grad + Adam m, v
         "full_grads_bf16": 2 * p_pruned,
         "full_optimizer_fp32": 12 * p_pruned,  # master weights + Adam m, v
-        "one_layer_gathered": 2 * a.budget.layer_total(0),
+        "one_layer_gathered": 2 * c.layer_params,
         "params_dense": p_dense,
         "params_pruned": p_pruned,
     }

@@ -20,7 +20,6 @@ Exit status 1 when any folder's continuations differ (or vLLM fails to serve it)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,9 +28,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # a checkout runs without installing prunelight
 
-from prunelight.export import export_pretrained, format_of  # noqa: E402
+import prunelight  # noqa: E402
+from prunelight import bench  # noqa: E402
+from prunelight.testing import FAMILIES, tiny_model, tiny_tokenizer  # noqa: E402
 
 TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
                 "The three primary colors are"]
@@ -40,8 +41,6 @@ MAX_TOKENS = 16
 
 def transformers_greedy(folder: str | Path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Greedy tokens and their log-probabilities from transformers on `folder` (float32, full recompute per step)."""
-    from prunelight import bench
-
     model = bench.load_model(folder)
     out = []
     with torch.no_grad():
@@ -88,11 +87,10 @@ def compare(ref: list[dict], eng: list[dict]) -> dict:
 def check_folder(folder: str | Path, prompts: list[list[int]], vllm_python: str, max_model_len: int = 512,
                  max_tokens: int = MAX_TOKENS, log_dir: Path | None = None) -> dict:
     """transformers vs vLLM on one folder: the comparison plus what was served."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
     ref = transformers_greedy(folder, prompts, max_tokens)
     log = (log_dir / f"vllm_{Path(folder).name}.log") if log_dir else None
     eng = vllm_greedy(folder, prompts, max_tokens, vllm_python, max_model_len, log)
-    res = {"folder": str(folder), "format": format_of(_Cfg(cfg)), "architecture": eng["architecture"],
+    res = {"folder": str(folder), "format": bench.export_format(folder), "architecture": eng["architecture"],
            "engine": eng["engine"], "prompts": len(prompts), "new_tokens": max_tokens,
            **compare(ref, eng["outputs"]), "vllm_load_s": round(eng["load_s"], 1)}
     print(f"{res['format']:>13} {Path(folder).name:<22} {'EQUAL' if res['equal'] else 'DIFFER'}  "
@@ -101,58 +99,41 @@ def check_folder(folder: str | Path, prompts: list[list[int]], vllm_python: str,
     return res
 
 
-class _Cfg:
-    def __init__(self, d: dict) -> None:
-        self.__dict__.update(d)
-
-
 def _cut(model, fmt: str, ratio: float, min_groups: int = 1):
     """Cut `model` in place for `fmt` from weight-magnitude scores (no calibration text), as a run would."""
-    import prunelight
-
-    # global: a weight-only cut reads no text, and calibrated (the default) probes on calibration text
-    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                                 min_groups=min_groups)
-    return prunelight.prune(model, s, export_format=fmt)[0]  # the format's shape constraint, as export.format sets it
+    # the format's shape constraint, as export.format sets it
+    return prunelight.prune(model, bench.shape_settings(ratio, min_groups=min_groups), export_format=fmt)[0]
 
 
 def tiny_folders(out: Path) -> list[Path]:
     """Tiny Llama exports: stock, nemotron_nas (allocated), nemotron_nas with a removed attention and MLP."""
-    import prunelight
-    from prunelight.plan import LayerPlan
-    from prunelight.testing import tiny_model, tiny_tokenizer
-
     # head_dim 32: vLLM's CPU attention kernels take 32, 64, 80, 96, 112, 128... (not the tests' usual 16)
     def make(seed=0):
         return tiny_model("llama", seed=seed, num_hidden_layers=4, head_dim=32, initializer_range=0.2,
                           tie_word_embeddings=True)
 
     tok = tiny_tokenizer()
-    folders = [export_pretrained(_cut(make(), "stock", 0.3), out / "tiny_stock", tok, format="stock"),
-               export_pretrained(_cut(make(), "nemotron_nas", 0.35, min_groups=0), out / "tiny_nemotron_nas", tok,
-                                 format="nemotron_nas")]
+    folders = [bench.export(_cut(make(), "stock", 0.3), out / "tiny_stock", tok, format="stock"),
+               bench.export(_cut(make(), "nemotron_nas", 0.35, min_groups=0), out / "tiny_nemotron_nas", tok,
+                            format="nemotron_nas")]
     m = make()
     n = m.config.intermediate_size
-    plan = prunelight.PrunePlan(layers=[LayerPlan([1], list(range(0, n, 2))), LayerPlan([], list(range(50))),
-                                        LayerPlan([1], []), LayerPlan([1], list(range(n)))],
-                                num_groups=[2] * 4, num_channels=[n] * 4)
-    prunelight.apply_plan(m, plan)
-    folders.append(export_pretrained(m, out / "tiny_nemotron_nas_noop", tok, format="nemotron_nas"))
+    kept = [([1], list(range(0, n, 2))), ([], list(range(50))), ([1], []), ([1], list(range(n)))]
+    prunelight.apply_plan(m, {"layers": [{"keep_groups": g, "keep_channels": c} for g, c in kept],
+                              "num_groups": [2] * 4, "num_channels": [n] * 4})
+    folders.append(bench.export(m, out / "tiny_nemotron_nas_noop", tok, format="nemotron_nas"))
     return folders
 
 
 def family_folders(out: Path) -> list[Path]:
     """A tiny model of every supported family, cut 30% for `export.format: stock` and exported."""
-    from prunelight.families import MODEL_FAMILIES
-    from prunelight.testing import tiny_model, tiny_tokenizer
-
     tok, folders = tiny_tokenizer(), []
-    for name in MODEL_FAMILIES:
+    for name in FAMILIES:
         # head_dim 32: a size vLLM's CPU attention kernels take; 4 query / 2 KV heads keep a GQA ratio to cut.
         # attention_bias false as published checkpoints have it (vLLM's Qwen3 has no o_proj bias: vllm_note).
         model = tiny_model(name, seed=0, num_hidden_layers=4, head_dim=32, initializer_range=0.2,
                            attention_bias=False)
-        folders.append(export_pretrained(_cut(model, "stock", 0.3), out / f"tiny_{name}_stock", tok, format="stock"))
+        folders.append(bench.export(_cut(model, "stock", 0.3), out / f"tiny_{name}_stock", tok, format="stock"))
     return folders
 
 
@@ -164,16 +145,11 @@ def tiny_prompts(n: int = 4, length: int = 6, vocab: int = 128) -> list[list[int
 
 def pruned_folders(source: str, out: Path, ratio: float) -> list[Path]:
     """`source` pruned by `ratio` for stock and nemotron_nas, exported (tokenizer copied)."""
-    from transformers import AutoTokenizer
-
-    from prunelight import bench
-
-    tok = AutoTokenizer.from_pretrained(source)
+    tok = bench.load_tokenizer(source)
     folders = []
     for fmt in ("stock", "nemotron_nas"):
         model = bench.load_model(source)
-        folders.append(export_pretrained(_cut(model, fmt, ratio), out / f"{Path(source).name}_{fmt}", tok,
-                                         format=fmt))
+        folders.append(bench.export(_cut(model, fmt, ratio), out / f"{Path(source).name}_{fmt}", tok, format=fmt))
     return folders
 
 
@@ -204,20 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"folder": str(f), "format": "stock", "equal": False, "served": False,
                                 "error": str(exc)[-2000:], "max_abs_logprob_diff": float("nan")})
     for source in args.prune:
-        from transformers import AutoTokenizer
-
-        prompts = [AutoTokenizer.from_pretrained(source)(p)["input_ids"] for p in TEXT_PROMPTS]
+        prompts = [bench.load_tokenizer(source)(p)["input_ids"] for p in TEXT_PROMPTS]
         for f in [Path(source), *pruned_folders(source, work, args.ratio)]:
             results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
     for f in args.folder:
-        from transformers import AutoTokenizer
-
-        prompts = [AutoTokenizer.from_pretrained(f)(p)["input_ids"] for p in TEXT_PROMPTS]
+        prompts = [bench.load_tokenizer(f)(p)["input_ids"] for p in TEXT_PROMPTS]
         results.append(check_folder(f, prompts, args.vllm_python, log_dir=work))
     summary = {"results": results, "all_equal": all(r["equal"] for r in results)}
     if args.out:
-        from prunelight import bench
-
         bench.write_results(Path(args.out).with_suffix(""), summary)
     print(f"serve check: {sum(r['equal'] for r in results)} of {len(results)} folder(s) equal; largest |logprob diff| "
           f"{max((r['max_abs_logprob_diff'] for r in results), default=0):.2e}")

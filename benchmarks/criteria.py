@@ -2,22 +2,22 @@
 
 For each criterion in the registry, a fresh subprocess loads the model and the pre-tokenized data,
 scores every unit once with `prunelight.score` (timed; peak memory read from the process's own high-water
-mark), then for each allocation registered in `prunelight.allocation.ALLOCATIONS` cuts a fresh copy of the
+mark), then for each registered allocation (`prunelight.bench.allocations()`) cuts a fresh copy of the
 model with `prunelight.prune` from those scores (allocation, repair and surgery as a run makes them) and
 measures WikiText-2 perplexity. Results go to a Markdown table (stdout and
 --out) and JSON (--json), both written atomically.
 
-Peak memory: `prunelight.evaluation.efficiency.PeakMemory`, the same measurement as the report's. On
+Peak memory: `prunelight.bench.peak_memory`, the same measurement as the report's. On
 Linux CPU the criterion's process returns freed heap to the OS, resets its resident-set high-water mark
 (/proc/self/clear_refs) once the model and token tensors are loaded, and reads VmHWM after scoring: "peak
 memory" is the process's peak RSS while scoring and "scoring +MiB" is that peak minus the RSS just before
 scoring, i.e. what the criterion itself needed. tracemalloc does not see torch's allocator, so it is not
 used. On CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats is reported instead.
 
-Reference run (the README table; 7.5 min on 2 CPU cores with 5 allocations):
-    python scripts/benchmark_methods.py --out results/criteria.md --json results/criteria.json
+Reference run (the docs/benchmarks.md tables; about 20 min on 2 CPU cores):
+    python -m benchmarks criteria --out results/criteria.md --json results/criteria.json
 Quick check:
-    python scripts/benchmark_methods.py --samples 8 --eval-tokens 4096 --criteria taylor,wanda
+    python -m benchmarks criteria --samples 8 --eval-tokens 4096 --criteria taylor,wanda
 """
 
 from __future__ import annotations
@@ -25,31 +25,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
 
-import torch  # noqa: E402
+from prunelight import bench
 
-
-from prunelight import bench  # noqa: E402
-
-
-def _allocations() -> list[str]:
-    """Allocation methods registered at run time (the registry's rows)."""
-    from prunelight.allocation import ALLOCATIONS
-
-    return list(ALLOCATIONS)
+WRITES = "--out (results/criteria.md) and --json (results/criteria.json) (docs/benchmarks.md, docs/criteria.md)"
 
 
 def _lists(args: argparse.Namespace) -> argparse.Namespace:
     """The comma-separated options as lists (all registered allocations when none are given)."""
-    args.allocations = args.allocations.split(",") if args.allocations else _allocations()
+    args.allocations = args.allocations.split(",") if args.allocations else bench.allocations()
     args.reconstruct = [m for m in args.reconstruct.split(",") if m]
     args.reconstruct_allocations = [a for a in args.reconstruct_allocations.split(",") if a]
     return args
@@ -57,8 +47,6 @@ def _lists(args: argparse.Namespace) -> argparse.Namespace:
 
 def run_worker(args: argparse.Namespace) -> dict:
     """Score with one criterion (timed, peak memory), then cut + evaluate per allocation, each as a run does."""
-    from prunelight.evaluation.efficiency import PeakMemory
-
     device = torch.device(args.device)
     model = bench.load_model(args.model, device)
     data = bench.TokenData.load(args.data_file)
@@ -71,7 +59,7 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     criterion_args = json.loads(args.criterion_args).get(args.worker, {})
     scorer = bench.Scorer(model, calib)
-    with PeakMemory(device) as mem:  # the unit scores every cell shares: the criterion's own scoring pass
+    with bench.peak_memory(device) as mem:  # the unit scores every cell shares: the criterion's own scoring pass
         scores = scorer(bench.preset_settings(None, criterion=args.worker, criterion_args=criterion_args,
                                               report_layer_importance=[]))
     result["scoring_s"] = scorer.seconds[args.worker]
@@ -181,12 +169,11 @@ def _worker_args(args: argparse.Namespace, name: str, data_file: Path) -> list[s
 
 def main(argv: list[str] | None = None) -> None:
     """Run the criterion x allocation benchmark (or one worker of it)."""
-    from prunelight.atomic import atomic_write_text
-    from prunelight.importance import CRITERIA
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_data_arguments(p)
-    p.add_argument("--criteria", default=",".join(CRITERIA), help="comma-separated names (default: all registered)")
+    criteria_known, allocations_known = bench.criteria(), bench.allocations()
+    p = bench.parser(__doc__, __file__)
+    bench.add_data_arguments(p, samples=128)
+    p.add_argument("--criteria", default=",".join(criteria_known),
+                   help="comma-separated names (default: all registered)")
     p.add_argument("--allocations", default=None, help="comma-separated (default: all registered at run time)")
     p.add_argument("--criterion-args", default="{}", help='JSON: {"taylor_weight": {"micro_batch_size": 4}}')
     p.add_argument("--allocation-args", default="{}", help='JSON, prune settings merged over each preset: {"global": {...}}')
@@ -194,12 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="reconstructions measured besides none (comma-separated; '' for none)")
     p.add_argument("--reconstruct-allocations", default="global", help="allocations that get reconstruction rows")
     p.add_argument("--ratio", type=float, default=0.2)
-    p.add_argument("--samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
-    p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--eval-tokens", type=int, default=65536, help="test-set prefix in tokens; 0 = the whole set")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="results.md")
@@ -212,12 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     _lists(args)
 
     criteria = [c for c in args.criteria.split(",") if c]
-    unknown = [c for c in criteria if c not in CRITERIA]
-    bad_alloc = [a for a in args.allocations if a not in _allocations()]
+    unknown = [c for c in criteria if c not in criteria_known]
+    bad_alloc = [a for a in args.allocations if a not in allocations_known]
     if unknown or bad_alloc:
-        p.error(
-            f"unknown criteria {unknown} / allocations {bad_alloc}; available: {sorted(CRITERIA)} / {_allocations()}"
-        )
+        p.error(f"unknown criteria {unknown} / allocations {bad_alloc}; available: {sorted(criteria_known)} / "
+                f"{allocations_known}")
     with tempfile.TemporaryDirectory(prefix="prunelight-bench-") as tmp:
         t0 = time.perf_counter()
         data = bench.token_data(args.model, args.calibration, args.eval, samples=args.samples, seq_len=args.seq_len,
@@ -267,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     json_path = Path(args.json or Path(args.out).with_suffix(".json"))
     bench.write_results(json_path.with_suffix(""), {"meta": meta, "results": results})
-    atomic_write_text(args.out, table)
+    bench.write_text(args.out, table)
 
 
 if __name__ == "__main__":

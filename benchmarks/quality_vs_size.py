@@ -6,8 +6,9 @@ evaluation blocks (WikiText-2 test, 65,024 scored tokens), prepared once by `pru
 
 prunelight methods (one process, scores computed once per criterion with `prunelight.score`, a fresh copy cut
 per ratio with `prunelight.prune` from them, as a run cuts):
-  default (flap + least_squares), the two best criteria of results/criteria.md with and without
-  reconstruction (flap, wanda_sp), and the baselines magnitude, random and depth (no reconstruction).
+  default (the library's defaults, `prunelight.PruneSettings(ratio=r)`), flap + least_squares under the global
+  allocation, the two best criteria of results/criteria.md with and without reconstruction (flap, wanda_sp), and
+  the baselines magnitude, random and depth (no reconstruction).
 Torch-Pruning (the peer), following its examples/LLMs/prune_llm.py (MetaPruner, per-projection `num_heads`,
 `prune_num_heads=True`, `prune_head_dims=False`, `round_to=4`, `global_pruning=False`), in three setups:
   tp_l2_hidden   as shipped: L2 group magnitude, hidden size pruned too (only lm_head ignored);
@@ -23,18 +24,19 @@ Outputs (under --out-dir, named after the model): <name>.json, <name>.md and <na
 perplexity vs % removed). Results are kept per method in the JSON, so a run can be resumed (--resume) or
 split (--methods / --peer-setups) and the table and figure are rebuilt from everything recorded.
 
-Reference runs (2 CPU cores; see README "Benchmarks"):
-    python scripts/benchmark_quality_vs_size.py --torch-pruning-path /tmp/h13/tp
-    python scripts/benchmark_quality_vs_size.py --model ../shared/models/ref-mistral-gqa --torch-pruning-path ...
-    python scripts/benchmark_quality_vs_size.py --tiny-family qwen2 --torch-pruning-path ...   # failure facts
+Reference runs (2 CPU cores; see docs/benchmarks.md "Benchmarks"):
+    python -m benchmarks quality_vs_size --torch-pruning-path <folder holding torch_pruning>
+    python -m benchmarks quality_vs_size --model ../shared/models/ref-mistral-gqa --torch-pruning-path ...
+    python -m benchmarks quality_vs_size --tiny-family qwen2 --torch-pruning-path ...   # failure facts
 Quick check:
-    python scripts/benchmark_quality_vs_size.py --tiny-family llama --ratios 0.2 --out-dir /tmp/qvs
+    python -m benchmarks quality_vs_size --tiny-family llama --ratios 0.2 --out-dir /tmp/qvs
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import json
 import os
@@ -43,20 +45,22 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
 
-import torch  # noqa: E402
+import prunelight
+from prunelight import bench
 
-from prunelight import bench  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# label -> (criterion, preset or allocation, reconstruction)
+WRITES = ("results/benchmarks/<name>.{json,md,png}, <name> = quality_<model> (docs/benchmarks.md, \"Quality vs "
+          "size\" and \"Quality on a real model\")")
+_DEFAULTS = prunelight.PruneSettings()  # the defaults have one owner: the settings dataclass
+DEFAULT_LABEL = f"prunelight default ({_DEFAULTS.criterion} / {_DEFAULTS.allocation})"
+# label -> (criterion, preset or allocation, reconstruction); None: the library's defaults at the ratio
 METHODS = {
-    "prunelight default (flap+least_squares)": ("flap", "global", "least_squares"),
+    DEFAULT_LABEL: None,
+    "flap+least_squares (global)": ("flap", "global", "least_squares"),
     "flap": ("flap", "global", "none"),
     "wanda_sp": ("wanda_sp", "global", "none"),
     "wanda_sp+least_squares": ("wanda_sp", "global", "least_squares"),
@@ -64,15 +68,14 @@ METHODS = {
     "random": ("random", "global", "none"),
     "depth (block influence, taylor fill)": ("taylor", "depth", "none"),
 }
-METHOD_KEYS = {"default": "prunelight default (flap+least_squares)", "flap": "flap", "wanda_sp": "wanda_sp",
-               "wanda_sp_ls": "wanda_sp+least_squares", "magnitude": "magnitude", "random": "random",
-               "depth": "depth (block influence, taylor fill)"}
+METHOD_KEYS = {"default": DEFAULT_LABEL, "flap_ls": "flap+least_squares (global)", "flap": "flap",
+               "wanda_sp": "wanda_sp", "wanda_sp_ls": "wanda_sp+least_squares", "magnitude": "magnitude",
+               "random": "random", "depth": "depth (block influence, taylor fill)"}
 PEER_SETUPS = {
     "tp_l2_hidden": "Torch-Pruning as shipped (L2 magnitude, hidden size pruned)",
     "tp_l2_heads": "Torch-Pruning, embeddings kept (L2, heads + MLP)",
     "tp_taylor": "Torch-Pruning, Taylor importance, embeddings kept",
 }
-DEFAULT_LABEL = METHOD_KEYS["default"]
 TINY_OVERRIDES = {  # the tiny families of prunelight.testing, made to show the peer's GQA cases
     "qwen2": dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=192),  # 3:1, biases
     "mistral": dict(hidden_size=64, intermediate_size=192),  # 2:1
@@ -81,39 +84,24 @@ TINY_OVERRIDES = {  # the tiny families of prunelight.testing, made to show the 
 
 
 # --------------------------------------------------------------------------------------------- prunelight
-def run_prunelight(model, calib, evals, labels: list[str], ratios: list[float], on_row) -> None:
-    """Score once per criterion, then per ratio cut a fresh copy (allocation and repair as a run), evaluate."""
-    scorer = bench.Scorer(model, calib)
-    total = bench.count_params(model)
+def method_cells(labels: list[str], ratios: list[float]) -> list[tuple[dict, Callable]]:
+    """The --methods rows as cells: (the row's head, a function making its settings)."""
+    cells = []
     for label in labels:
-        criterion, method, mode = METHODS[label]
         for ratio in ratios:
-            row: dict = {"method": label, "kind": "prunelight", "target": ratio}
-            t0 = time.perf_counter()
-            try:
-                settings = bench.cell_settings(method, criterion, ratio, reconstruct=mode)
-                pruned, _, _ = bench.cut_copy(model, settings, calib, scores=scorer(settings))
-                after = bench.count_params(pruned)
-                ppl = bench.perplexity(pruned, evals)
-                row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=after,
-                           removed=1 - after / total, seconds=time.perf_counter() - t0)
-                del pruned
-            except Exception as err:  # noqa: BLE001 - recorded in the table; must not void a long run
-                row["error"] = f"{type(err).__name__}: {err}"
-            on_row(row)
+            if METHODS[label] is None:
+                make = functools.partial(prunelight.PruneSettings, ratio=ratio)
+            else:
+                criterion, method, mode = METHODS[label]
+                make = functools.partial(bench.cell_settings, method, criterion, ratio, reconstruct=mode)
+            cells.append(({"method": label, "kind": "prunelight", "target": ratio}, make))
+    return cells
 
 
 # --------------------------------------------------------------------------------------------- the grid
 # `--grid CRITERIA:ALLOCATIONS:RATIOS` (each a comma list or "all"): every criterion x allocation x ratio, one
 # row each, labelled "<criterion> / <allocation>", cut with --reconstruct (the run's default: least_squares).
-def _default_grid_label() -> str:
-    from prunelight.settings import PruneSettings  # the defaults have one owner: the settings dataclass
-
-    d = PruneSettings()
-    return f"{d.criterion} / {d.allocation}"
-
-
-DEFAULT_GRID_LABEL = _default_grid_label()
+DEFAULT_GRID_LABEL = f"{_DEFAULTS.criterion} / {_DEFAULTS.allocation}"
 
 
 def grid_label(criterion: str, allocation: str, reconstruct: str = "least_squares") -> str:
@@ -123,22 +111,20 @@ def grid_label(criterion: str, allocation: str, reconstruct: str = "least_square
 
 def parse_grid(specs: list[str], ratios_default: list[float]) -> list[tuple[str, str, float]]:
     """Expand 'CRITERIA:ALLOCATIONS[:RATIOS]' specs into (criterion, allocation, ratio) cells, first seen first."""
-    from prunelight.importance import CRITERIA
-    from prunelight.settings import ALLOCATIONS
-
+    known_criteria, known_allocations = bench.criteria(), bench.allocations()
     cells: list[tuple[str, str, float]] = []
     for spec in specs:
         parts = spec.split(":")
         if len(parts) not in (2, 3):
             raise ValueError(f"--grid {spec!r}: expected CRITERIA:ALLOCATIONS[:RATIOS]")
-        crits = list(CRITERIA) if parts[0] == "all" else [c for c in parts[0].split(",") if c]
-        allocs = list(ALLOCATIONS) if parts[1] == "all" else [a for a in parts[1].split(",") if a]
+        crits = known_criteria if parts[0] == "all" else [c for c in parts[0].split(",") if c]
+        allocs = known_allocations if parts[1] == "all" else [a for a in parts[1].split(",") if a]
         ratios = [float(r) for r in parts[2].split(",") if r] if len(parts) == 3 else ratios_default
-        bad = [c for c in crits if c not in CRITERIA] + [a for a in allocs if a not in ALLOCATIONS]
+        bad = [c for c in crits if c not in known_criteria] + [a for a in allocs if a not in known_allocations]
         bad += [r for r in ratios if not 0 < r < 1]
         if bad:
-            raise ValueError(f"--grid {spec!r}: unknown {bad}; criteria {', '.join(CRITERIA)}; "
-                             f"allocations {', '.join(ALLOCATIONS)}; ratios in (0, 1)")
+            raise ValueError(f"--grid {spec!r}: unknown {bad}; criteria {', '.join(known_criteria)}; "
+                             f"allocations {', '.join(known_allocations)}; ratios in (0, 1)")
         for r in ratios:  # the ratios in the order given: the first ratio's cells are run (and recorded) first
             for a in allocs:
                 for c in crits:
@@ -164,23 +150,32 @@ def evaluate_protocols(model, protocols: dict[str, list]) -> dict:
     return {name: bench.perplexity(model, batches) for name, batches in protocols.items()}
 
 
-def run_grid(model, calib, protocols: dict[str, list], cells: list[tuple[str, str, float]], reconstruct: str,
-             extra: dict, done: set, zeroshot_for: set, zeroshot_fn, on_row) -> None:
+def grid_cells(cells: list[tuple[str, str, float]], reconstruct: str, extra: dict, done: set
+               ) -> list[tuple[dict, Callable]]:
+    """The --grid cells not done yet: (the row's head, a function making its settings)."""
+    out = []
+    for criterion, allocation, ratio in cells:
+        label = grid_label(criterion, allocation, reconstruct)
+        if (label, round(ratio, 6)) not in done:
+            head = {"method": label, "kind": "grid", "criterion": criterion, "allocation": allocation,
+                    "reconstruct": reconstruct, "target": ratio}
+            out.append((head, functools.partial(bench.cell_settings, allocation, criterion, ratio,
+                                                **{**extra.get(allocation, {}), "reconstruct": reconstruct})))
+    return out
+
+
+def run_cells(model, calib, protocols: dict[str, list], cells: list[tuple[dict, Callable]], zeroshot_for: set,
+              zeroshot_fn, on_row) -> None:
     """Score once per criterion (and layer measure), then per cell cut a fresh copy as a run does, evaluate."""
     scorer = bench.Scorer(model, calib)
     total = bench.count_params(model)
-    for criterion, allocation, ratio in cells:
-        label = grid_label(criterion, allocation, reconstruct)
-        if (label, round(ratio, 6)) in done:
-            continue
-        row: dict = {"method": label, "kind": "grid", "criterion": criterion, "allocation": allocation,
-                     "reconstruct": reconstruct, "target": ratio}
+    for head, make_settings in cells:
+        row, label, ratio = dict(head), head["method"], head["target"]
         t0 = time.perf_counter()
         try:
-            settings = bench.cell_settings(allocation, criterion, ratio, **{**extra.get(allocation, {}),
-                                                                            "reconstruct": reconstruct})
+            settings = make_settings()
             scores = scorer(settings)
-            row["scoring_s"] = scorer.seconds[criterion]
+            row["scoring_s"] = scorer.seconds[settings.criterion]
             for name in scores.layer_importance:  # a measure the allocation needs, measured once on the dense model
                 row["layer_importance"] = {"measure": name, "batches": settings.importance_batches,
                                            "seconds": scorer.measure_seconds.get(name)}
@@ -341,7 +336,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def ratio_to_peer(meta: dict, rows: list[dict]) -> str:
-    """'default / best peer' perplexity at each ratio (the target is <= 0.5)."""
+    """'default / best peer' perplexity at each ratio (the target is <= 0.5); the default is the library's."""
     parts = []
     for ratio in meta["ratios"]:
         at = [r for r in rows if abs(r["target"] - ratio) < 1e-9 and "ppl" in r]
@@ -438,12 +433,9 @@ def markdown_grid(meta: dict, rows: list[dict]) -> str:
 
 def figure_grid(meta: dict, rows: list[dict], path: Path) -> None:
     """Left: perplexity / dense vs % removed for rows run at several ratios; right: every criterion at one ratio."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    plt = bench.pyplot()
     ok = [r for r in rows if "ppl" in r]
     methods = list(dict.fromkeys(r["method"] for r in ok))
     multi = [m for m in methods if sum(r["method"] == m for r in ok) > 1]
@@ -481,20 +473,12 @@ def figure_grid(meta: dict, rows: list[dict], path: Path) -> None:
     bx.tick_params(axis="y", labelsize=7)
     fig.suptitle(f"{meta['model_name']}: quality vs size, no recovery ({meta['date']})")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    bench.save_figure(fig, path)
 
 
 def figure(meta: dict, rows: list[dict], path: Path) -> None:
     """Perplexity vs % removed, log y; the dense model as a dotted line; failed peer runs as crosses on the axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = bench.pyplot().subplots(figsize=(7.5, 4.8))
     for m in dict.fromkeys(r["method"] for r in rows):
         ok = sorted((r["removed"] * 100, r["ppl"]) for r in rows if r["method"] == m and "ppl" in r)
         peer = any(r["kind"] == "peer" for r in rows if r["method"] == m)
@@ -513,22 +497,12 @@ def figure(meta: dict, rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    bench.save_figure(fig, path)
 
 
 def _paper_batches(args: argparse.Namespace) -> list[torch.Tensor]:
     """The paper protocol's windows: --eval rows joined by blank lines, BOS once, --paper-seq-len windows."""
-    from transformers import AutoTokenizer
-
-    from prunelight.data import TextSource, pack_blocks, tokenize_source
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    blocks = pack_blocks(tokenize_source(tok, TextSource(path=str(args.eval), protocol="paper")), args.paper_seq_len)
-    if args.paper_windows:
-        blocks = blocks[: args.paper_windows]
+    blocks = bench.paper_blocks(args.model, args.eval, args.paper_seq_len, args.paper_windows or None)
     return list(torch.split(blocks, max(1, args.eval_batch_size * args.seq_len // args.paper_seq_len)))
 
 
@@ -552,10 +526,8 @@ def _tiny_setup(family: str, folder: Path) -> tuple[str, str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the quality-vs-size benchmark (or one peer worker of it)."""
-    from prunelight.atomic import atomic_write_json
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_data_arguments(p)
+    p = bench.parser(__doc__, __file__)
+    bench.add_data_arguments(p, samples=128)
     p.add_argument("--tiny-family", choices=sorted(TINY_OVERRIDES),
                    help="use a tiny random model of this family and a tiny corpus (peer-failure facts, tests)")
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
@@ -583,14 +555,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-pruning-path", default=None, help="folder holding the torch_pruning package")
     p.add_argument("--peer-timeout", type=float, default=180.0, help="seconds per peer (setup, ratio) subprocess")
     p.add_argument("--peer-steps", type=int, default=10, help="bisection steps on the peer's ratio knob")
-    p.add_argument("--samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--eval-tokens", type=int, default=65536, help="test prefix in tokens (65,024 scored at 128)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--name", default=None, help="output file stem (default: quality_<model folder name>)")
     p.add_argument("--resume", action="store_true", help="keep rows of methods already in the JSON")
     p.add_argument("--merge", nargs="*", default=None,
@@ -622,9 +589,10 @@ def main(argv: list[str] | None = None) -> None:
     tiny_tmp = tempfile.TemporaryDirectory(prefix="prunelight-tiny-") if args.tiny_family else None
     if tiny_tmp:
         args.model, args.calibration, args.eval = _tiny_setup(args.tiny_family, Path(tiny_tmp.name))
-        if argv is None or "--samples" not in argv:
+        given = sys.argv[1:] if argv is None else argv  # a tiny model's sizes, unless the command line set them
+        if "--samples" not in given:
             args.samples = 32
-        if argv is None or "--eval-tokens" not in argv:
+        if "--eval-tokens" not in given:
             args.eval_tokens = 4096
     if not args.model or not args.calibration:
         p.error("--model/--calibration/--eval are required when the shared reference data is not found "
@@ -670,9 +638,7 @@ def main(argv: list[str] | None = None) -> None:
         dense = evaluate_protocols(model, protocol_batches) if not same else None
         zeroshot_fn = None
         if zeroshot_for:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            tokenizer = bench.load_tokenizer(args.model)
 
             def zeroshot_fn(m):
                 return bench.zeroshot_result(m, tokenizer, args.zeroshot_dir, args.zeroshot_limit, args.zeroshot_batch_size)
@@ -703,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
         for k in ("grid", "dense_zeroshot", "commands", "reduced"):
             if k in old_meta and same:
                 meta[k] = old_meta[k]
-        meta.setdefault("commands", []).append("python scripts/benchmark_quality_vs_size.py " + " ".join(
+        meta.setdefault("commands", []).append("python -m benchmarks quality_vs_size " + " ".join(
             a if a and " " not in a else repr(a) for a in (sys.argv[1:] if argv is None else argv)))
         if args.reduced:
             meta["reduced"] = args.reduced
@@ -734,14 +700,13 @@ def main(argv: list[str] | None = None) -> None:
             if "zeroshot" in row:
                 shown += f", zero-shot {row['zeroshot']['average']:.3f}"
             print(f"{row['method']} @ {row['target']:.0%}: {shown} ({row.get('seconds', 0):.0f} s)", flush=True)
-            atomic_write_json(json_path, {"meta": meta, "rows": rows})
+            bench.write_results(json_path.with_suffix(""), {"meta": meta, "rows": rows})
 
-        atomic_write_json(json_path, {"meta": meta, "rows": rows})
+        bench.write_results(json_path.with_suffix(""), {"meta": meta, "rows": rows})
         extra = {a: {"importance_batches": args.importance_batches} for a in ("layerwise", "blockwise", "depth")
                  } if args.importance_batches else {}
-        run_grid(model, calib, protocol_batches, cells, args.reconstruct, extra, done, zeroshot_for, zeroshot_fn,
-                 on_row)
-        run_prunelight(model, calib, evals, labels, ratios, on_row)
+        run_cells(model, calib, protocol_batches, grid_cells(cells, args.reconstruct, extra, done)
+                  + method_cells(labels, ratios), zeroshot_for, zeroshot_fn, on_row)
         if setups:
             run_peer(args, data_file, setups, ratios, on_row)
     _finish(meta, rows, ratios, out_dir, name)

@@ -8,46 +8,35 @@ runs of a prefill-only request (1 output token) and a decode request (`--decode-
 decode request less its prefill. Medians; speedup vs dense and the ideal (params_dense / params_pruned).
 Run it ALONE on the machine (other processes change the figures); ~15 min on 2 cores:
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/benchmark_vllm_speed.py --dense /path/to/smollm2-f32 --tag cpu
+    OMP_NUM_THREADS=1 python -m benchmarks vllm_speed --dense /path/to/smollm2-f32 --tag cpu
 
 (OMP_NUM_THREADS applies to the pruning here; the vLLM processes get vLLM's own thread binding.)
-
-Writes results/benchmarks/vllm_speed_<tag>.{json,md}.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import prunelight
+from prunelight import bench
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+WRITES = "results/benchmarks/vllm_speed_<tag>.{json,md} (docs/serving.md, \"Speed in vLLM\")"
 VARIANTS = (("stock", 1), ("nemotron_nas", 1), ("nemotron_nas", 64))  # (format, align_channels)
 
 
 def prune_folder(dense: Path, fmt: str, ratio: float, align: int, out: Path) -> Path:
     """`dense` cut by magnitude to `ratio` for `fmt` (align_channels `align`) and exported to `out`."""
-    from transformers import AutoTokenizer
-
-    import prunelight
-    from prunelight import bench
-    from prunelight.export import export_pretrained
-
     if (out / "config.json").is_file():
         return out
     model = bench.load_model(dense)
-    s = prunelight.PruneSettings(ratio=ratio, criterion="magnitude", allocation="global", reconstruct="none",
-                                 align_channels=align)  # weight-only: no calibration text for calibrated's probes
-    prunelight.prune(model, s, export_format=fmt)  # the format's shape constraint, as export.format sets it
-    return export_pretrained(model, out, AutoTokenizer.from_pretrained(dense), format=fmt)
+    # the format's shape constraint, as export.format sets it
+    prunelight.prune(model, bench.shape_settings(ratio, align_channels=align), export_format=fmt)
+    return bench.export(model, out, bench.load_tokenizer(dense), format=fmt)
 
 
 def n_params(folder: Path) -> int:
@@ -75,9 +64,9 @@ def time_folder(folder: Path, args, log: Path) -> dict:
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Prune, serve and time every variant; write the JSON and markdown table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench.parser(__doc__, __file__)
     ap.add_argument("--dense", required=True, help="a float32 Hugging Face folder of the dense model (served as the baseline)")
     ap.add_argument("--ratios", default="0.2,0.3")
     ap.add_argument("--repeats", type=int, default=5)
@@ -87,8 +76,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("PRUNELIGHT_VLLM_PYTHON"), required="PRUNELIGHT_VLLM_PYTHON" not in os.environ)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "vllm_speed"))
     ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out", default=str(ROOT / "results" / "benchmarks"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(bench.RESULTS))
+    args = ap.parse_args(argv)
     dense, work = Path(args.dense), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     folders = [("dense", "-", 0.0, 1, dense)]
@@ -110,12 +99,7 @@ def main() -> None:
 def write(rows: list[dict], args) -> None:
     """results/benchmarks/vllm_speed_<tag>.{json,md}."""
     base = rows[0]
-    for r in rows:
-        r["ideal_speedup"] = base["params"] / r["params"]
-        r["prefill_speedup"] = r["prefill_tok_s"] / base["prefill_tok_s"]
-        r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-    from prunelight import bench
-
+    bench.add_speedups(rows, {"prefill": "prefill_tok_s", "decode": "decode_tok_s"}, lambda r: r is base)
     meta = {"engine": base["engine"], **bench.machine(), **vars(args)}
     lines = [f"# vLLM speed: dense vs pruned SmolLM2-135M ({base['engine']}, float32, eager, CPU)", "",
              f"batch {args.batch} x {args.prompt_len} prompt tokens; decode {args.decode_tokens} tokens; median of "

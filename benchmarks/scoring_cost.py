@@ -2,12 +2,12 @@
 
 For every criterion (and every floor and naive variant) a fresh subprocess loads the model and the
 calibration batches (--batches x --batch-size x --seq-len tokens of WikiText-2 valid), runs the pass once
-under `prunelight.evaluation.efficiency.PeakMemory` (CPU: VmHWM of the process, reset once the model is
-loaded; "+MiB" = peak minus the RSS before the pass; CUDA: max allocated above the allocated at entry), then
+under `prunelight.bench.peak_memory`, the report's measurement (CPU: VmHWM of the process, reset once the
+model is loaded; "+MiB" = peak minus the RSS before the pass; CUDA: max allocated above the allocated at entry), then
 --repeats more times for the wall time (median).
 
 Variants
-  <criterion>          the criterion as prunelight runs it (`run_calibration`).
+  <criterion>          the criterion's pass as a run scores units (`prunelight.bench.scoring_pass`).
   naive:<criterion>    the same criterion and hooks, but every weight requires grad and its gradient is
                        kept in .grad for the whole pass, as a training-style backward does.
   floor:forward        a plain no-grad forward (floor of forward-only criteria: wanda, wanda_sp, flap).
@@ -17,50 +17,45 @@ Variants
                        criteria); floor:weights_mb1 is the same one sample at a time, as those criteria run.
 Each criterion row gives its ratio to the matching floor (memory <= 1.2x, time <= 1.1x are the targets).
 
-    python scripts/benchmark_scoring_cost.py                  # all criteria, ref-llama-gqa, 8 x 128 tokens
-    python scripts/benchmark_scoring_cost.py --criteria taylor,fisher --repeats 5
-    python scripts/benchmark_scoring_cost.py --tiny          # seconds: a tiny random model, for tests
+    python -m benchmarks scoring_cost                  # all criteria, ref-llama-gqa, 2 x 8 x 128 tokens
+    python -m benchmarks scoring_cost --criteria taylor,fisher --repeats 5
+    python -m benchmarks scoring_cost --tiny           # seconds: a tiny random model, for tests
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
+from prunelight import bench
 
-from prunelight import bench  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+WRITES = "results/benchmarks/scoring_cost.{json,md} (docs/benchmarks.md, \"Scoring cost\")"
 FLOORS = ("floor:forward", "floor:frozen", "floor:weights", "floor:weights_mb1")
 
 
 def matching_floor(name: str) -> str | None:
     """The plain pass a criterion is compared with (None for weight-only criteria)."""
-    from prunelight.importance import build_criterion
-    from prunelight.testing import tiny_model
-
-    crit = build_criterion(name)
-    if not crit.needs_data:
+    needs = bench.criterion_needs(name)
+    if not needs.data:
         return None
-    if not crit.needs_backward:
+    if not needs.backward:
         return "floor:forward"
-    if crit.grad_params(tiny_model("llama")):
-        return "floor:weights_mb1" if crit.micro_batch_size == 1 else "floor:weights"
+    if needs.weight_grads:
+        return "floor:weights_mb1" if needs.micro_batch_size == 1 else "floor:weights"
     return "floor:frozen"
 
 
-def _loss(model, ids):
-    from prunelight.calibration import calibration_loss
-
-    return calibration_loss(model(input_ids=ids, use_cache=False).logits, ids)
+def _loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The scoring pass's loss: each sample's mean next-token NLL in fp32, summed over the samples."""
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return nll.view(ids.shape[0], -1).mean(1).sum()
 
 
 def floor_pass(model, batches: list[torch.Tensor], kind: str) -> None:
@@ -89,24 +84,8 @@ def floor_pass(model, batches: list[torch.Tensor], kind: str) -> None:
             p.requires_grad_(True)
 
 
-def criterion_pass(model, batches: list[torch.Tensor], name: str, naive: bool) -> None:
-    """The criterion's importance pass; `naive` makes every weight require grad and keep its gradient."""
-    from prunelight.calibration import run_calibration
-    from prunelight.importance import build_criterion
-
-    crit = build_criterion(name)
-    if naive:
-        own = crit.grad_params
-        crit.grad_params = lambda m: list(dict.fromkeys([*own(m), *m.parameters()]))  # all weights, kept grads
-    run_calibration(model, batches if crit.needs_data else [], crit)
-    for p in model.parameters():
-        p.grad = None
-
-
 def run_worker(args: argparse.Namespace) -> dict:
     """Load, measure one pass's peak memory, then time --repeats passes (median)."""
-    from prunelight.evaluation.efficiency import PeakMemory
-
     device = torch.device(args.device)
     model = _load_model(args).to(device).eval()
     batches = [b.to(device) for b in torch.load(args.data_file)]
@@ -115,8 +94,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         run = lambda: floor_pass(model, batches, name)  # noqa: E731
     else:
         naive = name.startswith("naive:")
-        run = lambda: criterion_pass(model, batches, name.removeprefix("naive:"), naive)  # noqa: E731
-    with PeakMemory(device) as mem:
+        run = lambda: bench.scoring_pass(model, batches, name.removeprefix("naive:"), naive)  # noqa: E731
+    with bench.peak_memory(device) as mem:
         t0 = time.perf_counter()
         run()
         first = time.perf_counter() - t0
@@ -183,12 +162,11 @@ def markdown(meta: dict, rows: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the scoring-cost benchmark (or one worker of it)."""
-    from prunelight.importance import CRITERIA
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    known = bench.criteria()
+    p = bench.parser(__doc__, __file__)
     bench.add_data_arguments(p)
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama and random ids (seconds; for tests)")
-    p.add_argument("--criteria", default=",".join(CRITERIA))
+    p.add_argument("--criteria", default=",".join(known))
     p.add_argument("--no-naive", action="store_true", help="skip the naive (full weight gradient) variants")
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
@@ -201,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                         "tensors (131072 = glibc's initial value, fixed)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--name", default="scoring_cost")
     args = bench.parse_args(p, argv, run_worker, "--worker")
     if args is None:  # a worker process: it has answered
@@ -209,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.tiny and not args.model:
         p.error("--model is required when the shared reference data is not found (set PRUNELIGHT_SHARED), or --tiny")
     criteria = [c for c in args.criteria.split(",") if c]
-    unknown = [c for c in criteria if c not in CRITERIA]
+    unknown = [c for c in criteria if c not in known]
     if unknown:
-        p.error(f"unknown criteria {unknown}; available: {', '.join(CRITERIA)}")
+        p.error(f"unknown criteria {unknown}; available: {', '.join(known)}")
     floors = {c: matching_floor(c) for c in criteria}
     names = [fl for fl in FLOORS if fl in floors.values()]
     for c in criteria:

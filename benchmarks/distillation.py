@@ -1,4 +1,4 @@
-"""Distillation vs plain next-token (CE) recovery, at equal steps and data, on the reference job or SmolLM2.
+"""Recovery settings compared (distillation vs next-token CE, rates, ranks) at equal steps and data, one job.
 
 `--job reference` runs `configs/reference.yaml` (20% FLAP cut with least-squares refit, LoRA recovery on Brown
 prose) once per recovery loss with `--steps` steps (and once with recovery none, for the pruned row), then measures
@@ -8,16 +8,15 @@ PTB test at 128 and 512 tokens, on the first `--windows` windows of each (null: 
 256-token training windows, perplexity at 512 tokens, and zero-shot accuracy on the seven local sets
 (`--zeroshot-limit` rows each). One thread per process:
 
-    OMP_NUM_THREADS=1 python scripts/distillation_table.py --out /tmp/distill-runs --steps 200 --windows null
-    OMP_NUM_THREADS=1 python scripts/distillation_table.py --job smollm2 --out /tmp/distill-smollm2 --steps 200 \
+    OMP_NUM_THREADS=1 python -m benchmarks distillation --out /tmp/distill-runs --steps 200 --windows null
+    OMP_NUM_THREADS=1 python -m benchmarks distillation --job smollm2 --out /tmp/distill-smollm2 --steps 200 \
         --windows 32 --zeroshot-limit 100
-    python scripts/distillation_table.py --out /tmp/distill-runs --table-only
+    python -m benchmarks distillation --out /tmp/distill-runs --table-only
     (--only kl_a0.5_T2 redoes one run and keeps the others' results in --out; the dense row is measured once)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prunelight.testing import shared_dir
+from prunelight import bench
 
+WRITES = ("the table on stdout, runs under --out (results/distillation.md, results/benchmarks/recovery_smollm2.md; "
+          "docs/benchmarks.md, \"Recovery on SmolLM2\")")
 ROOT = Path(__file__).resolve().parents[1]
-# $PRUNELIGHT_SHARED, else ../shared (prunelight.testing owns the lookup); a missing folder is reported in main()
-SHARED = shared_dir() or ROOT.parent / "shared"
+# $PRUNELIGHT_SHARED, else ../shared (bench.shared_path owns the lookup); a missing folder is reported in main()
+SHARED = Path(bench.shared_path() or ROOT.parent / "shared")
 SETTINGS = {  # name -> command-line options of the recovery
     "pruned": ["--model.recovery=none"],
     "ce": [],
@@ -166,9 +167,9 @@ def table(out: Path) -> str:
     return "\n".join([head, "|---|---|" + "---:|" * len(cols), *rows]) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run the fits (in parallel, one thread each), evaluate every model, and print the table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench.parser(__doc__, __file__)
     ap.add_argument("--job", choices=sorted(JOBS), default="reference")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=200)
@@ -180,7 +181,7 @@ def main() -> None:
     ap.add_argument("--reuse-cut", action="store_true",
                     help="cut once (the pruned run) and re-apply its plan.json in the other runs (same cut, no "
                          "scoring or probes per run)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names = list(SETTINGS) if args.only is None else [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:

@@ -7,39 +7,33 @@ Three phases over one work folder (GGUF files are kept there, so each phase can 
     #    text) in every GGUF
     #    type; uniform 20/30% cuts (every layer 1024 / 768 of 1536 channels, FLAP-ranked) in f16 and q8_0.
     #    Files already in the work folder are kept.
-    python scripts/benchmark_llama_cpp.py build --work /tmp/llama-bench
+    python -m benchmarks llama_cpp build --work /tmp/llama-bench
     # 2. perplexity in llama.cpp vs file size (WikiText-2 test windows): results/benchmarks/llama_cpp_size_quality.*
-    python scripts/benchmark_llama_cpp.py quality --work /tmp/llama-bench --windows 8
+    python -m benchmarks llama_cpp quality --work /tmp/llama-bench --windows 8
     # 3. speed, run alone: prompt and generation tokens/s, 2 threads, median of 5: results/benchmarks/llama_cpp_speed.*
-    flock -x /tmp/prunelight-cpu.lock python scripts/benchmark_llama_cpp.py speed --work /tmp/llama-bench
+    flock -x /tmp/prunelight-cpu.lock python -m benchmarks llama_cpp speed --work /tmp/llama-bench
 
 Needs PRUNELIGHT_LLAMA_NODE (see prunelight/llama_cpp.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import prunelight
+from prunelight import bench
+from prunelight.llama_cpp import SMOLLM2, WIKITEXT, calibration_batches, run_llama_cpp, token_windows
+from prunelight.testing import sized_plan
 
-import prunelight  # noqa: E402
-from prunelight import bench  # noqa: E402
-from prunelight.families import get_family  # noqa: E402
-from prunelight.gguf_export import write_gguf  # noqa: E402
-from prunelight.llama_cpp import SMOLLM2, WIKITEXT, calibration_batches, run_llama_cpp, token_windows  # noqa: E402
-from prunelight.settings import GGUF_TYPES, PruneSettings  # noqa: E402
-from prunelight.testing import sized_plan  # noqa: E402
-
-OUT = ROOT / "results" / "benchmarks"
+WRITES = ("results/benchmarks/llama_cpp_size_quality.{json,md,png} and llama_cpp_speed.{json,md} (README.md, "
+          "\"llama.cpp\"; docs/gguf.md)")
+GGUF_TYPES = bench.GGUF_TYPES
 DEFAULT_CUTS = {"perlayer20": 0.2, "perlayer30": 0.3, "perlayer50": 0.5}
 UNIFORM_CUTS = {"uniform20": 1024, "uniform30": 768}  # MLP channels kept per layer (of 1536): 19.7% / 29.6%
 SPEED_MODELS = ("dense", "uniform20", "uniform30", "perlayer20", "perlayer30")
@@ -59,33 +53,31 @@ def build(work: Path) -> None:
     if facts.get("cuts") not in (None, CUTS):  # files cut another way: start again
         facts = {}
     facts["cuts"] = CUTS
-    flap = prunelight.score(dense, PruneSettings(criterion="flap", allocation="global", reconstruct="none"),
-                            batches).unit_scores
+    flap = prunelight.score(dense, prunelight.PruneSettings(criterion="flap", allocation="global",
+                                                            reconstruct="none"), batches).unit_scores
     models = {"dense": lambda m: None}
     for name, ratio in DEFAULT_CUTS.items():
-        models[name] = lambda m, r=ratio: prunelight.prune(m, PruneSettings(
+        models[name] = lambda m, r=ratio: prunelight.prune(m, prunelight.PruneSettings(
             ratio=r, criterion="flap", allocation="global", reconstruct="least_squares", align_channels=32), batches)
     for name, chans in UNIFORM_CUTS.items():
         models[name] = lambda m, c=chans: prunelight.apply_plan(m, sized_plan(
-            m, [s.num_key_value_heads for s in get_family(m).layer_shapes(m)], [c] * len(m.model.layers), flap))
+            m, [s["num_key_value_heads"] for s in bench.layer_shapes(m)], [c] * len(m.model.layers), flap))
     for name, cut in models.items():
         types = GGUF_TYPES if name in ("dense", *DEFAULT_CUTS) else SPEED_TYPES
         if name in facts and all((work / f"{name}.{dtype}.gguf").is_file() for dtype in types):
             continue
         model = copy.deepcopy(dense)
         cut(model)
-        shapes = get_family(model).layer_shapes(model)
-        facts[name] = {"params": sum(p.numel() for p in model.parameters()),
-                       "shapes": [s.as_dict() for s in shapes]}
+        facts[name] = {"params": bench.count_params(model), "shapes": bench.layer_shapes(model)}
         for dtype in types:
-            path = write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source_gguf)
+            path = bench.write_gguf(model, work / f"{name}.{dtype}.gguf", dtype, source_gguf=source_gguf)
             facts[name].setdefault("file_bytes", {})[dtype] = path.stat().st_size
         print(name, facts[name]["params"], flush=True)
         (work / "facts.json").write_text(json.dumps(facts, indent=1))
         del model
 
 
-def quality(work: Path, windows: int, window_len: int) -> None:
+def quality(work: Path, windows: int, window_len: int, out: Path) -> None:
     """Perplexity in llama.cpp of every file vs its size; JSON, Markdown and the PNG figure."""
     facts = json.loads((work / "facts.json").read_text())
     tokenizer = bench.load_tokenizer(SMOLLM2)
@@ -100,28 +92,22 @@ def quality(work: Path, windows: int, window_len: int) -> None:
             print(json.dumps(rows[-1]), flush=True)
     meta = {"model": SMOLLM2, "text": WIKITEXT.name, "windows": windows, "window_len": window_len,
             "engine": got["llama_cpp"], "cuts": facts.get("cuts", CUTS)}
-    (OUT / "llama_cpp_size_quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# Pruned or quantized? SmolLM2 in llama.cpp", "",
              f"Perplexity in llama.cpp ({got['llama_cpp']['release']}, node-llama-cpp 3.21.1) over {windows} x "
              f"{window_len} tokens of WikiText-2 test vs GGUF file size. Cuts: {meta['cuts']}.", "",
-             "`python scripts/benchmark_llama_cpp.py build --work W && python scripts/benchmark_llama_cpp.py "
+             "`python -m benchmarks llama_cpp build --work W && python -m benchmarks llama_cpp "
              f"quality --work W --windows {windows}`", "",
              "| model | params | " + " | ".join(GGUF_TYPES) + " |", "|---|---|" + "---|" * len(GGUF_TYPES)]
     for name in ("dense", *DEFAULT_CUTS):
         cells = [f"{r['ppl']:.2f} ({r['file_mb']:.0f} MB)" for r in rows if r["model"] == name]
         lines.append(f"| {name} | {facts[name]['params'] / 1e6:.1f}M | " + " | ".join(cells) + " |")
-    (OUT / "llama_cpp_size_quality.md").write_text("\n".join(lines) + "\n")
-    figure(rows, OUT / "llama_cpp_size_quality.png")
+    bench.write_results(out / "llama_cpp_size_quality", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
+    figure(rows, out / "llama_cpp_size_quality.png")
 
 
 def figure(rows: list[dict], path: Path) -> None:
     """Perplexity vs file size: one line per model (its types), one marker per type."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = bench.pyplot().subplots(figsize=(7, 4.5))
     markers = dict(zip(GGUF_TYPES, "osD^v"))
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["file_mb"])
@@ -138,10 +124,10 @@ def figure(rows: list[dict], path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bench.save_figure(fig, path, dpi=120)
 
 
-def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
+def speed(work: Path, runs: int, prompt_len: int, new_tokens: int, out: Path) -> None:
     """Prompt and generation tokens/s in llama.cpp (2 threads, median of `runs`), speed-up vs the ideal ratio."""
     facts = json.loads((work / "facts.json").read_text())
     tokenizer = bench.load_tokenizer(SMOLLM2)
@@ -154,32 +140,29 @@ def speed(work: Path, runs: int, prompt_len: int, new_tokens: int) -> None:
                                  "speed": {"prompt": prompt, "new_tokens": new_tokens, "runs": runs}})
             rows.append({"model": name, "type": dtype, "params": facts[name]["params"], **got["speed"]})
             print(json.dumps(rows[-1]), flush=True)
-    for r in rows:
-        base = next(d for d in rows if d["model"] == "dense" and d["type"] == r["type"])
-        r["ideal"] = base["params"] / r["params"]
-        r["prompt_speedup"] = r["prompt_tps"] / base["prompt_tps"]
-        r["gen_speedup"] = r["gen_tps"] / base["gen_tps"]
+    bench.add_speedups(rows, {"prompt": "prompt_tps", "gen": "gen_tps"}, lambda r: r["model"] == "dense", ("type",))
     meta = {"model": SMOLLM2, "threads": 2, "runs": runs, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
             "engine": got["llama_cpp"], "conditions": "CPU, 2 threads, median of the runs after one warm-up run; "
             f"load average {load:.2f} before the first run; {time.strftime('%Y-%m-%d', time.gmtime())}"}
-    (OUT / "llama_cpp_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# SmolLM2 in llama.cpp: speed of pruned exports", "",
              f"llama.cpp {got['llama_cpp']['release']} (node-llama-cpp 3.21.1), CPU, 2 threads, median of {runs} "
              f"runs after a warm-up run, load average {load:.2f} before the first run, "
              f"{time.strftime('%Y-%m-%d', time.gmtime())}; prompt {prompt_len} tokens in one batch, then {new_tokens} generated tokens. "
              "Ideal: dense parameters / the model's.", "",
-             f"`python scripts/benchmark_llama_cpp.py speed --work W --runs {runs}` (run it alone: other processes on the cores distort it)",
+             f"`python -m benchmarks llama_cpp speed --work W --runs {runs}` (run it alone: other processes on "
+             "the cores distort it)",
              "", "| model | type | params | prompt tok/s | gen tok/s | prompt speed-up | gen speed-up | ideal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['type']} | {r['params'] / 1e6:.1f}M | {r['prompt_tps']:.0f} | "
-                     f"{r['gen_tps']:.1f} | {r['prompt_speedup']:.2f}x | {r['gen_speedup']:.2f}x | {r['ideal']:.2f}x |")
-    (OUT / "llama_cpp_speed.md").write_text("\n".join(lines) + "\n")
+                     f"{r['gen_tps']:.1f} | {r['prompt_speedup']:.2f}x | {r['gen_speedup']:.2f}x | "
+                     f"{r['ideal_speedup']:.2f}x |")
+    bench.write_results(out / "llama_cpp_speed", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run one phase."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench.parser(__doc__, __file__)
     ap.add_argument("phase", choices=("build", "quality", "speed"))
     ap.add_argument("--work", required=True)
     ap.add_argument("--windows", type=int, default=4)
@@ -187,16 +170,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
-    work = Path(args.work)
+    ap.add_argument("--out-dir", default=str(bench.RESULTS))
+    args = ap.parse_args(argv)
+    work, out = Path(args.work), Path(args.out_dir)
     work.mkdir(parents=True, exist_ok=True)
-    OUT.mkdir(parents=True, exist_ok=True)
     if args.phase == "build":
         build(work)
     elif args.phase == "quality":
-        quality(work, args.windows, args.window_len)
+        quality(work, args.windows, args.window_len, out)
     else:
-        speed(work, args.runs, args.prompt_len, args.new_tokens)
+        speed(work, args.runs, args.prompt_len, args.new_tokens, out)
 
 
 if __name__ == "__main__":

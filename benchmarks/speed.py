@@ -9,7 +9,7 @@ Pruned variants: prunelight's own plan (criterion `magnitude`, weight-only, no d
 GQA groups and MLP channels) at each --ratios, with `align_channels` 1 (no alignment) and each --align value
 (MLP channel counts per layer a multiple of it; GQA groups are always removed whole), cut by `prunelight.prune`.
 
-Each model is timed with `prunelight.evaluation.efficiency.measure_speed` (random prompt of --prompt-len
+Each model is timed with the report's measurement (`prunelight.bench.speed_rows`: random prompt of --prompt-len
 tokens, then --new-tokens greedy-free decode steps with the KV cache; --warmup runs, then the median of
 --repeats) at each --batch-sizes. Ideal speedup = dense parameters / pruned parameters; the table gives
 measured decode and prefill speedups and their ratio to the ideal (the target: a 20%-pruned aligned
@@ -19,27 +19,26 @@ To see why an ideal is missed, --mlp-widths times one Llama MLP (gate/up/down, h
 hidden size) at aligned and unaligned intermediate widths, per token at decode (1 token) and prefill
 (--batch-sizes[-1] x --prompt-len tokens) shapes, as microseconds per million MLP parameters.
 
-    python scripts/benchmark_speed.py                 # ref + synthetic, CPU (about 6 min alone at 2 threads)
-    python scripts/benchmark_speed.py --device cuda --dtype bfloat16 --compile
-    python scripts/benchmark_speed.py --tiny          # seconds: tiny shapes, for tests
+    python -m benchmarks speed                 # ref + synthetic, CPU (about 6 min alone at 2 threads)
+    python -m benchmarks speed --device cuda --dtype bfloat16 --compile
+    python -m benchmarks speed --tiny          # seconds: tiny shapes, for tests
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from prunelight import bench
 
-from prunelight import bench  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+WRITES = "results/benchmarks/speed.{json,md} (docs/benchmarks.md, \"Speed of the pruned model\")"
+# what a speed row keeps of the measurement
+MEASURED = ("batch_size", "prompt_len", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
+            "decode_latency_ms_per_token", "prefill_latency_ms", "dtype", "device", "threads")
 
 
 def synthetic_model(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -54,46 +53,24 @@ def synthetic_model(hidden: int, intermediate: int, layers: int, heads: int, kv_
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def prune_copy(model: nn.Module, ratio: float, align: int) -> nn.Module:
-    """A cut copy of `model` with `ratio` of parameters removed by prunelight (magnitude, global, `align`)."""
-    settings = bench.preset_settings(None, ratio=ratio, criterion="magnitude", allocation="global",
-                                     align_channels=align, reconstruct="none")
-    return bench.cut_copy(model, settings)[0]  # magnitude needs no calibration text
-
-
 def widths(model: nn.Module) -> dict:
     """Per-layer kept MLP channels and KV groups (what decides the kernels' shapes)."""
-    layers = model.model.layers
-    return {"mlp": [l.mlp.gate_proj.out_features for l in layers],
-            "kv_groups": [l.self_attn.k_proj.out_features // l.self_attn.head_dim for l in layers]}
+    shapes = bench.layer_shapes(model)
+    return {"mlp": [s["intermediate_size"] for s in shapes], "kv_groups": [s["num_key_value_heads"] for s in shapes]}
 
 
 def time_models(models: dict[str, tuple[nn.Module, float, int]], args, compiled: bool) -> list[dict]:
-    """measure_speed for every model and batch size; speedups against the "dense" entry."""
-    from prunelight.evaluation.efficiency import measure_speed
-
+    """The speed of every model at every batch size; speedups against the "dense" entry."""
     rows = []
     for name, (model, ratio, align) in models.items():
         run = torch.compile(model) if compiled else model
-        params = sum(p.numel() for p in model.parameters())
-        for bs in args.batch_sizes:
-            s = measure_speed(run, batch_size=bs, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                              repeats=args.repeats, warmup=args.warmup)
-            rows.append({"model": name, "ratio": ratio, "align": align, "compile": compiled, "params": params,
-                         "widths": widths(model), **{k: s[k] for k in (
-                             "batch_size", "prompt_len", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
-                             "decode_latency_ms_per_token", "prefill_latency_ms", "dtype", "device", "threads")}})
-            print(f"{name} bs={bs} compile={compiled}: prefill {s['prefill_tokens_per_s']:,.0f} tok/s, "
-                  f"decode {s['decode_tokens_per_s']:,.1f} tok/s", flush=True)
-    dense = {(r["batch_size"], r["compile"]): r for r in rows if r["ratio"] == 0}
-    for r in rows:
-        d = dense[(r["batch_size"], r["compile"])]
-        r["ideal_speedup"] = d["params"] / r["params"]
-        r["decode_speedup"] = r["decode_tokens_per_s"] / d["decode_tokens_per_s"]
-        r["prefill_speedup"] = r["prefill_tokens_per_s"] / d["prefill_tokens_per_s"]
-        r["decode_vs_ideal"] = r["decode_speedup"] / r["ideal_speedup"]
-        r["prefill_vs_ideal"] = r["prefill_speedup"] / r["ideal_speedup"]
-    return rows
+        facts = {"model": name, "ratio": ratio, "align": align, "compile": compiled,
+                 "params": bench.count_params(model), "widths": widths(model)}
+        rows += [{**facts, **{k: s[k] for k in MEASURED}} for s in bench.speed_rows(
+            run, args.batch_sizes, f"{name}, compile {compiled}", prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, repeats=args.repeats, warmup=args.warmup)]
+    return bench.add_speedups(rows, {"decode": "decode_tokens_per_s", "prefill": "prefill_tokens_per_s"},
+                              lambda r: r["ratio"] == 0, ("batch_size", "compile"))
 
 
 @torch.no_grad()
@@ -164,7 +141,7 @@ def markdown(meta: dict, rows: list[dict], mlp: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the speed benchmark."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench.parser(__doc__, __file__)
     p.add_argument("--model", default=bench.shared_path("models", "ref-llama-gqa"),
                    help="the real model timed besides the synthetic one ('' to skip)")
     p.add_argument("--no-synthetic", action="store_true")
@@ -190,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tiny", action="store_true", help="tiny shapes, one batch size, one repeat (for tests)")
-    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--name", default="speed")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -228,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
             aligns = args.align if (k == 0 or args.align_all_ratios) else args.align[-1:]
             for align in [1, *aligns]:
                 try:
-                    models[f"{ratio:.0%} align {align}"] = (prune_copy(dense, ratio, align), ratio, align)
+                    pruned = bench.cut_copy(dense, bench.shape_settings(ratio, align_channels=align))[0]
+                    models[f"{ratio:.0%} align {align}"] = (pruned, ratio, align)
                 except ValueError as err:  # e.g. a multiple larger than the model's MLP
                     print(f"{family} {ratio:.0%} align {align}: skipped ({err})", flush=True)
         models = {k: (m.to(device=device, dtype=dtype), r, a) for k, (m, r, a) in models.items()}

@@ -1,4 +1,4 @@
-"""Per-layer widths chosen by measured KL (`allocation: search`) against the uniform stock shape, on one model.
+"""The default cut and every allocation against the uniform cut, per ratio, without recovery, on one model.
 
 Rows per ratio (perplexity on the run's own protocol: the first --eval-chars characters of --eval in --seq-len
 windows; calibration --samples x --seq-len tokens of --calibration), no recovery:
@@ -26,15 +26,15 @@ first `--zeroshot-limit` rows of each.
 Writes results/benchmarks/<name>.json and .md (rows appended as they finish; --resume keeps finished rows), with
 each phase's wall time (scoring, database, search, cut, evaluation) and the search trajectory.
 
-    PRUNELIGHT_SHARED=/work/shared OMP_NUM_THREADS=1 python scripts/benchmark_search.py --model /tmp/smollm2-f32 \
-        --ratios 0.2 --rows stock,search,search_obs
+    PRUNELIGHT_SHARED=../shared OMP_NUM_THREADS=1 python -m benchmarks allocations --model <fp32 folder> \
+        --ratios 0.2 --rows stock,default --name default_smollm2 --state-dir <empty folder>
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import platform
 import shlex
 import sys
 import tempfile
@@ -46,7 +46,8 @@ import torch
 import prunelight
 from prunelight import bench
 
-ROOT = Path(__file__).resolve().parents[1]
+WRITES = ("results/benchmarks/<name>.{json,md} (docs/benchmarks.md, \"Where the quality targets stand\" and "
+          "\"Every allocation against the uniform cut\")")
 ROWS = ("stock", "search", "search_obs", "search_stock", "search_served", "default", "calibrated", "global",
         "layerwise", "blockwise_removal", "depth")
 # the search rows under a shape constraint (OBS's order, as search_obs): the export format they are cut for
@@ -56,10 +57,6 @@ ALLOCATION_ROWS = {"calibrated": {"allocation": "calibrated"}, "global": {"alloc
                    "layerwise": {"allocation": "layerwise"},
                    "blockwise_removal": {"allocation": "blockwise", "block_importance": "removal"},
                    "depth": {"allocation": "depth"}}
-
-
-def _params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path, stock_removed,
@@ -116,8 +113,8 @@ def run_row(kind: str, model, calib, evals, ratio: float, args, state_dir: Path,
     te = time.perf_counter()
     ppl = bench.perplexity(pruned, evals)
     row["times_s"]["eval"] = time.perf_counter() - te
-    row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=_params(pruned),
-               removed=1 - _params(pruned) / _params(model), seconds=time.perf_counter() - t0)
+    row.update(ppl=ppl["ppl"], eval_tokens=ppl["tokens"], params_after=bench.count_params(pruned),
+               removed=1 - bench.count_params(pruned) / bench.count_params(model), seconds=time.perf_counter() - t0)
     if zeroshot is not None and kind in zeroshot[0]:
         row["zeroshot"] = zeroshot[1](pruned)
     return row
@@ -176,24 +173,19 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the rows, append to the JSON, rewrite the Markdown."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench.parser(__doc__, __file__)
     p.add_argument("--model", required=True, help="a Hugging Face folder (fp32)")
-    bench.add_data_arguments(p, model=False)
+    bench.add_data_arguments(p, model=False, samples=64)
     p.add_argument("--eval-chars", type=int, default=60000)
     p.add_argument("--ratios", default="0.2")
     p.add_argument("--rows", default="stock,search,search_obs")
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--generations", type=int, default=20)
     p.add_argument("--offspring", type=int, default=8)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 8, 16])
     p.add_argument("--survivors", type=int, nargs="+", default=[8, 2, 1])
     p.add_argument("--mlp-levels", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-dir", default=str(Path(tempfile.gettempdir()) / "prunelight-search-state"))
-    p.add_argument("--out-dir", default=str(ROOT / "results" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--name", default="search_smollm2")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the JSON")
     p.add_argument("--variant", default="", help="a label for these rows (search settings), kept beside other runs'")
@@ -231,8 +223,6 @@ def main(argv: list[str] | None = None) -> None:
     meta = previous.get("meta")
     if meta is None:
         dense = bench.perplexity(model, evals)
-        import platform
-
         meta = {"model": args.model, "model_name": Path(args.model).name, "dense_ppl": dense["ppl"],
                 "eval_tokens": dense["tokens"],
                 "eval": f"{Path(args.eval).name}, first {args.eval_chars:,} characters, {args.seq_len}-token windows",
@@ -250,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             f"survivors {args.survivors}, MLP levels 1/{args.mlp_levels}")
     if args.settings:
         meta.setdefault("settings_variants", {})[args.variant] = args.settings
-    meta.setdefault("commands", []).append("python scripts/benchmark_search.py " + shlex.join(sys.argv[1:]))
+    meta.setdefault("commands", []).append("python -m benchmarks allocations " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     rows = previous.get("rows", [])
     def key(r: dict) -> tuple:
         return r["row"], r["ratio"], r.get("variant", "")
