@@ -154,7 +154,7 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan,
         tuner = (LayerTuner(model, calib, settings.layer_tuning,
                             reduce_sum, plan.drop_layers)
                  if settings.reconstruct != "none" and settings.layer_tuning.epochs else None)
-        # The row's own cut step, where it measured one (search: its levels database's refits); else the usual
+        # The row's own cut step, where it measured one; else the usual
         # repair, layer by layer, with the repair settings the plan carries.
         figures = (run.row.cut(CutInputs(model, plan, measured, settings, list(batches), reduce_sum,
                                          tuner.wrap if tuner is not None else None))

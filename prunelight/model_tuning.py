@@ -2,7 +2,7 @@
 next-token distributions on the calibration batches.
 
 The repair and the layer tuning are local: each layer is fitted to the dense layer's outputs from the dense layer's
-inputs, so the errors that the cut layers leave still add up through the depth. Model tuning fits the end of the
+inputs, so the errors that the cut layers leave still add up from layer to layer. Model tuning fits the end of the
 model instead: every weight of the decoder layers and the final norm is trained with Adam to minimize the KL
 divergence KL(dense || cut) of the next-token distribution at every calibration position. It is knowledge
 distillation from the dense model restricted to the calibration text (as in Minitron, Muralidharan et al. 2024, at

@@ -1,4 +1,4 @@
-"""The pruning pipeline in one call: calibrate -> score -> (layer importance, split search) -> allocate (no cut).
+"""The pruning pipeline in one call: calibrate -> score -> (layer importance, the measured split) -> allocate (no cut).
 
 The PruningCallback (one process, DDP and the DeepSpeed hand-off alike) and the benchmark scripts go
 through `make_plan`, so a method measured in a benchmark is exactly the method a `prunelight fit` run
@@ -19,11 +19,9 @@ from torch import nn
 from prunelight import zero3
 from prunelight.allocation import Budget, MeasureInputs, Shape, allocate, allocation_of, make_budget, precheck
 from prunelight.allocation.budget import plan_meta, plan_params_removed
-from prunelight.allocation.split_search import masked, search_split
+from prunelight.allocation.measured_split import measure_split
 from prunelight.calibration import run_calibration
-from prunelight.console import progress
 from prunelight.distributed import ReduceSum, mean_over_ranks
-from prunelight.evaluation.perplexity import evaluate_perplexity
 from prunelight.families import unwrap
 from prunelight.importance import UnitScores, build_criterion
 from prunelight.layer_importance import layer_importances, subblock_removal
@@ -62,14 +60,13 @@ def make_plan(
     `run_plan.check_partitioned`). A `budget` already made by the run plan for this model and settings is reused. `saved` scores
     (`prune.scores`, already checked against the model) replace the scoring pass and the layer
     importance measures: nothing is run on `batches`. `shape` is the layer-shape constraint (export.format);
-    with `attn_mlp_split: auto`, under `Shape.UNIFORM` each uniform shape is measured on calibration NLL, under
-    `Shape.SERVED` the best served layout of each kept group count. A row with a `measure` runs it once after
-    scoring (`state_dir`: where it may keep resumable state).
+    `attn_mlp_split: auto` is measured on calibration NLL (`measured_split`). A row with a `measure` runs it once
+    after scoring (`state_dir`: where it may keep resumable state).
     """
     if budget is None:
         budget = precheck(zero3.shape_twin(model) if sharded else model, settings, shape)
     row = allocation_of(settings.allocation)
-    batches = list(batches)  # read more than once: calibration, layer importance, split search
+    batches = list(batches)  # read more than once: calibration, layer importance, the measured split
     if saved is not None:
         check_scores_cover(saved, settings)
         scores, layer_measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
@@ -85,18 +82,10 @@ def make_plan(
         measured = row.measure(MeasureInputs(
             unwrap(model), imp_batches or _importance_batches(batches, settings), budget, scores, settings, shape,
             settings.allocation_options, reduce_sum, state_dir, calibration=batches))
-    search = None
-    share = settings.attn_share
-    groups_removed = groups_kept = None
     extras = dict(layer_scores=layer_scores, measured=measured)
-    if settings.attn_mlp_split == "auto" and shape is Shape.SERVED:
-        groups_kept, search = _search_served(model, budget, scores, settings, extras, imp_batches, reduce_sum)
-    elif settings.attn_mlp_split == "auto" and shape is Shape.UNIFORM:
-        groups_removed, search = _search_stock(model, budget, scores, settings, extras, imp_batches, reduce_sum)
-    elif settings.attn_mlp_split == "auto":
-        share, search = _search_share(model, budget, scores, settings, extras, imp_batches, reduce_sum)
-    plan = allocate(budget, scores, settings, layer_scores=layer_scores, block_scores=block_scores, attn_share=share,
-                    shape=shape, groups_removed=groups_removed, groups_kept=groups_kept, measured=measured)
+    split = measure_split(model, budget, scores, settings, shape, extras, imp_batches, reduce_sum)
+    plan = allocate(budget, scores, settings, block_scores=block_scores, attn_share=split.share, shape=shape,
+                    groups_removed=split.groups_removed, groups_kept=split.groups_kept, **extras)
     plan.meta.update(criterion=settings.criterion, criterion_args=dict(settings.criterion_args), samples=samples,
                      applies_to=model_facts(model))
     if saved is not None:
@@ -105,12 +94,7 @@ def make_plan(
         plan.meta["layer_importance"] = layer_measured
     if block_scores is not None:
         plan.meta["block_importance"] = block_scores
-    if search is not None:
-        plan.meta["split_search"] = search
-        if groups_removed is not None:  # the uniform shape was chosen by the search: its candidates carry the NLL
-            plan.meta["stock_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
-        if groups_kept is not None:  # the served layout's group count was chosen by the search
-            plan.meta["served_shapes"].update(chosen_by="calibration_nll", candidates=search["tried"])
+    split.record(plan.meta)
     return Planned(plan, scores, measured)
 
 
@@ -187,66 +171,3 @@ def layer_measures(settings: PruneSettings, report: bool = True) -> list[str]:
 def _importance_batches(batches: list[torch.Tensor], settings: PruneSettings) -> list[torch.Tensor]:
     """The calibration batches the layer, sub-block and probe measures run on (prune.importance_batches)."""
     return batches[:settings.importance_batches or settings.max_calibration_batches]
-
-
-def calibration_nll(model: nn.Module, plan: PrunePlan, batches: Sequence[torch.Tensor],
-                    reduce_sum: ReduceSum | None = None) -> float:
-    """Calibration-text NLL of `model` as if `plan` were applied (masked, nothing cut)."""
-    with masked(model, plan):
-        res = evaluate_perplexity(unwrap(model), batches)
-    return mean_over_ranks([res["nll"]], reduce_sum)[0]
-
-
-def _search_stock(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                  extras: dict, batches, reduce_sum) -> tuple[int, dict]:
-    """Measure every uniform shape's calibration NLL (masked); the groups removed per layer of the lowest.
-
-    `extras`: what `allocate` needs beyond the scores (layer_scores, measured), the same for every try."""
-    first = allocate(budget, scores, settings, shape=Shape.UNIFORM, **extras)
-    cands = first.meta["stock_shapes"]["candidates"]
-    tried = []
-    for cand in progress(cands, desc="uniform shape search", unit="shape"):
-        k = cand["groups_removed_per_layer"]
-        plan = allocate(budget, scores, settings, shape=Shape.UNIFORM, groups_removed=k, **extras)
-        tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
-    best = min(tried, key=lambda c: (c["calibration_nll"], c["groups_removed_per_layer"]))
-    return best["groups_removed_per_layer"], {"uniform_shape": True, "by": "calibration_nll", "tried": tried,
-                                              "best_groups_removed_per_layer": best["groups_removed_per_layer"]}
-
-
-def _search_served(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                   extras: dict, batches, reduce_sum) -> tuple[int, dict]:
-    """Measure the best served layout of each kept group count on calibration NLL (masked); the count of the lowest."""
-    first = allocate(budget, scores, settings, shape=Shape.SERVED, **extras)
-    tried = []
-    for cand in progress(first.meta["served_shapes"]["candidates"], desc="served layout search", unit="layout"):
-        plan = allocate(budget, scores, settings, shape=Shape.SERVED, groups_kept=cand["groups_kept"], **extras)
-        tried.append({**cand, "calibration_nll": calibration_nll(model, plan, batches, reduce_sum)})
-    best = min(tried, key=lambda c: (c["calibration_nll"], -c["groups_kept"]))
-    return best["groups_kept"], {"served_layout": True, "by": "calibration_nll", "tried": tried,
-                                 "best_groups_kept": best["groups_kept"]}
-
-
-def _search_share(model: nn.Module, budget: Budget, scores: UnitScores, settings: PruneSettings,
-                  extras: dict, batches, reduce_sum) -> tuple[float, dict]:
-    """Find the attention share of the budget with the lowest calibration NLL."""
-    start_plan = allocate(budget, scores, settings, **extras)
-    start = float(start_plan.meta["attn_share_removed"])
-    low = max(0.0, (budget.target - budget.removable("mlp")) / budget.target)
-    high = min(1.0, budget.removable("attn") / budget.target)
-    bar = progress(None, desc="split search", unit="try")
-
-    def score(share: float) -> float:
-        plan = allocate(budget, scores, settings, attn_share=share, **extras)
-        value = calibration_nll(model, plan, batches, reduce_sum)
-        bar.update(1)
-        bar.set_postfix(attn_share=f"{share:.3f}", nll=f"{value:.4f}")
-        return value
-
-    s = settings.allocation_options.split_search
-    try:
-        best, history = search_split(score, start, low, high, s.step, s.fine_step, s.patience)
-    finally:
-        bar.close()
-    return best, {"start": start, "best": best, "range": [low, high],
-                  "tried": [{"attn_share": v, "calibration_nll": nll} for v, nll in history]}

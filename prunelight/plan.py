@@ -25,7 +25,7 @@ class PrunePlan:
     num_groups: list[int]  # original groups (KV heads) per layer
     num_channels: list[int]  # original MLP channels per layer
     meta: dict = field(default_factory=dict)
-    drop_layers: list[int] = field(default_factory=list)  # whole layers removed (depth pruning), original indices
+    drop_layers: list[int] = field(default_factory=list)  # whole layers removed , original indices
 
     @property
     def num_layers(self) -> int:
@@ -63,5 +63,5 @@ class PrunePlan:
             num_groups=list(data["num_groups"]),
             num_channels=list(data["num_channels"]),
             meta=dict(data.get("meta", {})),
-            drop_layers=[int(i) for i in data.get("drop_layers", [])],  # absent in plans from before depth pruning
+            drop_layers=[int(i) for i in data.get("drop_layers", [])],  # absent in plans from before whole layers could go
         )

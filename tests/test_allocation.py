@@ -174,16 +174,16 @@ def test_search_finds_a_minimum_off_the_grid():
 
 def test_auto_split_in_make_plan(setup, monkeypatch):
     model, batches, _ = setup
-    from prunelight import pipeline
+    from prunelight.allocation import measured_split
 
     seen = []
-    real = pipeline.calibration_nll
+    real = measured_split.calibration_nll
 
     def spy(model, plan, scored_batches, reduce_sum=None):
         seen.append(scored_batches)
         return real(model, plan, scored_batches, reduce_sum)
 
-    monkeypatch.setattr(pipeline, "calibration_nll", spy)
+    monkeypatch.setattr(measured_split, "calibration_nll", spy)
     settings = settings_of(0.3, attn_mlp_split="auto", split_search={"step": 0.25, "fine_step": 0.125})
     plan = make_plan(model, batches, settings).plan
     search = plan.meta["split_search"]
