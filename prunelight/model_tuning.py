@@ -44,6 +44,9 @@ from prunelight.settings import ModelTuning
 
 # share of the free memory the float32 weights, gradients and Adam moments may take
 MEMORY_SHARE = 0.5
+# lr: auto is this over the hidden size (Adam's rate for hidden weights scales as 1 / width, as in muP): 3e-5 at
+# SmolLM2's 576, where 3e-5 beat 1e-5 (docs/methods.md, "Model tuning").
+LR_TIMES_WIDTH = 3e-5 * 576
 BYTES_PER_PARAM = 16  # a tuned parameter: float32 weight, gradient and Adam's two moments
 
 
@@ -64,6 +67,11 @@ def dense_hidden(model: nn.Module, batches: Sequence[torch.Tensor]) -> list[torc
         hook.remove()
         base.train(was_training)
     return seen
+
+
+def learning_rate(tuning: ModelTuning, config) -> float:
+    """The tuning's Adam rate: the setting's, or with `auto` LR_TIMES_WIDTH over the model's hidden size."""
+    return float(tuning.lr) if tuning.lr != "auto" else LR_TIMES_WIDTH / int(config.hidden_size)
 
 
 def tuned_params(model: nn.Module) -> list[nn.Parameter]:
@@ -102,6 +110,11 @@ class ModelTuner:
         self.train_batches, self.held_batches = split_holdout(sizes, tuning.holdout_sequences, reduce_sum)
         self.sequences = sum_over_ranks([float(sum(sizes[b] for b in self.train_batches)),
                                          float(sum(sizes[b] for b in self.held_batches))], reduce_sum)
+        self.lr = learning_rate(tuning, self.base.config)
+        # the steps after which the held-out KL is measured: `checks_per_epoch` evenly spread over each epoch
+        n = len(self.train_batches)
+        checks = min(tuning.checks_per_epoch, n)
+        self.check_after = {round(n * (k + 1) / checks) for k in range(checks)}
 
     def _kl(self, b: int) -> tuple[torch.Tensor, int]:
         """Σ over positions of KL(dense || cut) on batch `b`, and the number of positions."""
@@ -159,43 +172,50 @@ class ModelTuner:
             raise FloatingPointError(f"model tuning: the cut model's held-out KL from the dense model is {start} "
                                      "before any step; set prune.model_tuning.epochs: 0")
         best_state = [p.detach().clone() for p in params]
-        best_epoch = epochs_run = 0
+        best_at = steps_run = 0.0  # in epochs
         history: list[float] = []
-        opt = torch.optim.Adam(params, lr=self.tuning.lr)
-        bar = progress(None, "model tuning", total=self.tuning.epochs * len(self.train_batches), unit="step")
+        opt = torch.optim.Adam(params, lr=self.lr)
+        n = len(self.train_batches)
+        bar = progress(None, "model tuning", total=self.tuning.epochs * n, unit="step")
+        stop = False
         with torch.enable_grad(), bar:
             for epoch in range(1, self.tuning.epochs + 1):
-                for b in self.train_batches:
+                for step, b in enumerate(self.train_batches, 1):
                     opt.zero_grad(set_to_none=True)
-                    s, n = self._kl(b)
-                    loss = s / n
+                    s, count = self._kl(b)
+                    loss = s / count
                     loss.backward()
                     total = sum_gradients(params, loss, self.reduce_sum)
                     if not math.isfinite(total):
                         raise FloatingPointError(
                             f"model tuning: the KL loss is {total} at epoch {epoch}; lower prune.model_tuning.lr "
-                            f"({self.tuning.lr:g}) or set prune.model_tuning.epochs: 0")
+                            f"({self.lr:g}) or set prune.model_tuning.epochs: 0")
                     opt.step()
                     bar.update()
-                epochs_run = epoch
-                kl = self._held_kl()
-                if kl is None:  # one calibration batch: nothing held out, every epoch is kept
-                    best_epoch = epoch
-                    continue
-                history.append(kl)
-                bar.set_postfix(held_out_kl=f"{kl:.4f}")
-                if not kl < best:  # worse, equal or not finite: the previous epoch was the best
+                    steps_run = epoch - 1 + step / n
+                    if step not in self.check_after:
+                        continue
+                    kl = self._held_kl()
+                    if kl is None:  # one calibration batch: nothing held out, every step is kept
+                        best_at = steps_run
+                        continue
+                    history.append(kl)
+                    bar.set_postfix(held_out_kl=f"{kl:.4f}")
+                    if not kl < best:  # worse, equal or not finite: the previous check was the best
+                        stop = True
+                        break
+                    best, best_at = kl, steps_run
+                    best_state = [p.detach().clone() for p in params]
+                if stop:
                     break
-                best, best_epoch = kl, epoch
-                best_state = [p.detach().clone() for p in params]
         if start is not None:
             with torch.no_grad():
                 for p, saved in zip(params, best_state):
                     p.copy_(saved)
-        return {"epochs": self.tuning.epochs, "lr": self.tuning.lr, "train_sequences": int(self.sequences[0]),
+        return {"epochs": self.tuning.epochs, "lr": self.lr, "train_sequences": int(self.sequences[0]),
                 "held_out_sequences": int(self.sequences[1]), "held_out_kl_before": start,
-                "held_out_kl_after": best, "held_out_kl_per_epoch": history, "epoch": best_epoch,
-                "epochs_run": epochs_run}
+                "held_out_kl_after": best, "held_out_kl_per_check": history, "checks_per_epoch":
+                len(self.check_after), "epoch": round(best_at, 3), "epochs_run": round(steps_run, 3)}
 
 
 def model_tuning_line(figures: dict[str, Any]) -> str:
@@ -205,6 +225,6 @@ def model_tuning_line(figures: dict[str, Any]) -> str:
     before, after = figures["held_out_kl_before"], figures["held_out_kl_after"]
     kl = (f"held-out KL from the dense model {before:.4f} -> {after:.4f} ({figures['held_out_sequences']} held-out "
           "sequences)" if before is not None else "no held-out sequences (one calibration batch): every epoch kept")
-    return (f"model tuning ({figures['epochs']} epochs, lr {figures['lr']:g}, {figures['train_sequences']} training "
-            f"sequences): {kl}; epoch kept {figures['epoch']} of {figures['epochs_run']} run; "
+    return (f"model tuning ({figures['epochs']} epochs, lr {figures['lr']:.2g}, {figures['train_sequences']} training "
+            f"sequences): {kl}; weights kept after {figures['epoch']:g} of {figures['epochs_run']:g} epochs run; "
             f"{figures['time_s']:.0f} s")

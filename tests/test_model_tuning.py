@@ -74,9 +74,9 @@ def test_tuning_lowers_the_held_out_kl_as_measured_independently():
     assert figures["held_out_kl_before"] == pytest.approx(before, rel=1e-4)
     assert figures["held_out_kl_after"] == pytest.approx(after, rel=1e-4)
     assert after < 0.9 * before, (before, after)
-    assert 1 <= figures["epoch"] <= figures["epochs_run"] <= 5
-    # the kept epoch is the least of the measured ones
-    assert figures["held_out_kl_after"] == pytest.approx(min(figures["held_out_kl_per_epoch"]), rel=1e-6)
+    assert 0 < figures["epoch"] <= figures["epochs_run"] <= 5 and figures["checks_per_epoch"] == 2
+    # the kept weights are those of the least measured held-out KL
+    assert figures["held_out_kl_after"] == pytest.approx(min(figures["held_out_kl_per_check"]), rel=1e-6)
     emb = get_family(cut).logits_head(cut).head.weight
     assert torch.equal(emb, get_family(dense).logits_head(dense).head.weight)  # the head is not trained
     assert [p.requires_grad for p in cut.parameters()] == flags  # the trainable flags are restored
@@ -89,7 +89,8 @@ def test_an_epoch_that_only_hurts_is_not_kept():
     start = copy.deepcopy(cut.state_dict())
     figures = ModelTuner(cut, batches, dense_hidden(dense, batches),
                          ModelTuning(epochs=3, lr=0.5, holdout_sequences=16)).tune()  # far too fast
-    assert figures["epoch"] == 0 and figures["epochs_run"] == 1
+    # the first check, half way through the first epoch, stops it: a tuning that only hurts costs half an epoch
+    assert figures["epoch"] == 0 and figures["epochs_run"] == 0.5 and len(figures["held_out_kl_per_check"]) == 1
     assert figures["held_out_kl_after"] == figures["held_out_kl_before"]
     for k, v in cut.state_dict().items():
         assert torch.equal(v, start[k]), k  # the cut exactly as it was
@@ -109,7 +110,7 @@ def test_two_ranks_write_the_same_weights():
     for key, v in s0.items():
         assert torch.equal(v, s1[key]), key
     assert any(not torch.equal(v, cut.state_dict()[k]) for k, v in s0.items()), "nothing was tuned"
-    assert figures[0]["held_out_kl_per_epoch"] == figures[1]["held_out_kl_per_epoch"]
+    assert figures[0]["held_out_kl_per_check"] == figures[1]["held_out_kl_per_check"]
     assert figures[0]["train_sequences"] == 48 and figures[0]["held_out_sequences"] == 16  # summed over ranks
     # the held-out KL both ranks agree on is the KL over all ranks' held-out batches
     held = [batches[6], batches[7]]
@@ -204,5 +205,28 @@ def test_a_bf16_model_trains_in_float32_and_gets_its_dtypes_back():
     cut.to(torch.bfloat16)
     figures = ModelTuner(cut, batches, dense_hidden(dense, batches), ModelTuning(epochs=5, lr=3e-4)).tune()
     assert all(p.dtype == torch.bfloat16 for p in cut.parameters())
-    assert figures["epoch"] >= 1  # float32 steps: in bf16 most of Adam's steps would round away
+    assert figures["epoch"] > 0  # float32 steps: in bf16 most of Adam's steps would round away
     assert _kl(dense, cut.float(), batches[4:]) < before
+
+
+def test_the_learning_rate_rule_scales_with_the_width():
+    """lr auto: 3e-5 at SmolLM2's hidden size, and as 1 / width elsewhere; a number is taken as it is."""
+    from types import SimpleNamespace
+
+    from prunelight.model_tuning import learning_rate
+
+    assert learning_rate(ModelTuning(), SimpleNamespace(hidden_size=576)) == pytest.approx(3e-5)
+    assert learning_rate(ModelTuning(), SimpleNamespace(hidden_size=4096)) == pytest.approx(3e-5 * 576 / 4096)
+    assert learning_rate(ModelTuning(lr=1e-4), SimpleNamespace(hidden_size=4096)) == 1e-4
+    assert ModelTuning().lr == "auto"
+
+
+def test_the_held_out_kl_is_checked_within_the_epoch():
+    """With four training batches and two checks per epoch the held-out KL is read after steps 2 and 4 of each epoch;
+    with one check, at its end only."""
+    dense = tiny_model("llama")
+    batches = _batches()
+    hidden = dense_hidden(dense, batches)
+    two = ModelTuner(copy.deepcopy(dense), batches, hidden, ModelTuning(epochs=1, lr=3e-4))
+    one = ModelTuner(copy.deepcopy(dense), batches, hidden, ModelTuning(epochs=1, lr=3e-4, checks_per_epoch=1))
+    assert two.check_after == {2, 4} and one.check_after == {4}

@@ -211,12 +211,15 @@ def measure_search(inp: MeasureInputs) -> SearchMeasured:
     options = inp.options if inp.options is not None else SearchOptions()
     state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
     plans = options.seed_plans()
+    t0 = time.perf_counter()
     if options.seed_calibrated and "calibrated" not in plans and inp.shape is not Shape.UNIFORM:
         plans["calibrated"] = calibrated_removal(inp)
+    seeding = time.perf_counter() - t0
     # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
     batches = inp.calibration or inp.batches
     removed, result, db, extra = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
                                             state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape)
+    result.times_s = {"calibrated_seed": seeding, **result.times_s}
     return SearchMeasured(removed, result, extra, db)
 
 
