@@ -278,6 +278,27 @@ def make_tiny_gguf(path, seed: int = 0, quantization: str = "F32", **overrides):
 
 
 
+# A cut of a tiny 2-layer model (2 GQA groups, 96 channels per layer) showing each shape feature of
+# prunelight.engines: (GQA groups kept per layer, MLP channels kept per layer); 0 removes the sub-block.
+FEATURE_CUTS: dict[str, tuple[list[int], list[int]]] = {
+    "uniform": ([2, 2], [64, 64]),
+    "groups_removed": ([1, 1], [64, 64]),
+    "mlp_per_layer": ([2, 2], [64, 96]),
+    "kv_per_layer": ([1, 2], [96, 96]),
+    "attn_removed": ([2, 0], [96, 96]),
+    "mlp_removed": ([2, 2], [96, 0]),
+}
+
+
+def tiny_cut(family: str, feature: str, seed: int = 0, **overrides):
+    """A tiny model of `family` (2 layers, `tiny_config` with `overrides`) cut to show one shape feature."""
+    from prunelight.surgery import apply_plan
+
+    model = tiny_model(family, seed=seed, **{"num_hidden_layers": 2, **overrides})
+    apply_plan(model, sized_plan(model, *FEATURE_CUTS[feature]))
+    return model
+
+
 def sized_plan(model, keep_groups: list[int], keep_channels: list[int], scores=None):
     """A hand-sized plan: per layer keep this many GQA groups and MLP channels (0 removes the sub-block).
 
