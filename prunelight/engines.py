@@ -105,7 +105,11 @@ SERVING: dict[str, dict[str, dict[str, Cell]]] = {
     "mistral": {"llama.cpp": _DECI_LLAMA, "vllm": _VLLM_NAS},  # llama.cpp's converter writes Mistral as llama
     "qwen2": {"llama.cpp": {**_DECI_LLAMA, UNIFORM: Cell(RUNS, "gguf qwen2"),
                             GROUPS_REMOVED: Cell(RUNS, "gguf llama", "qwen2's attn_q is hidden x hidden")},
-              "vllm": _VLLM},
+              # vLLM's Qwen2 takes head_dim = hidden / heads: a stock export with a group removed is refused at load
+              # ("start (0) + length (64) exceeds dimension size (32)"); the tiny model keeps heads x head_dim = hidden
+              "vllm": {**{f: Cell(c.status, c.via, c.note, (("hidden_size", 128),)) for f, c in _VLLM.items()},
+                       GROUPS_REMOVED: Cell(RUNS, _BACKEND, "stock refused: vLLM's Qwen2 takes head_dim = hidden / "
+                                                            "heads", (("hidden_size", 128),))}},
     "qwen3": {"llama.cpp": {
         **{f: Cell(c.status, c.via, c.note, _NO_QWEN3_BIAS) for f, c in _own_only("qwen3").items()},
         MLP_PER_LAYER: Cell(RUNS, "gguf openelm", "tied embeddings (openelm's head is token_embd)",

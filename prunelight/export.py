@@ -48,12 +48,18 @@ def engines_verified(config) -> list[str]:
     engines = [TRANSFORMERS_LOAD[fmt]]
     shapes = getattr(config, "layer_shapes", None) or []
     removed_attn = any(not s.get("num_attention_heads", 1) for s in shapes)
-    if fmt in family.vllm_served and not (fmt == "prunelight" and removed_attn):
+    narrow = fmt == "stock" and family.vllm_head_dim_from_hidden and _query_width(config) != config.hidden_size
+    if fmt in family.vllm_served and not (fmt == "prunelight" and removed_attn) and not narrow:
         arch = ", ".join(getattr(config, "architectures", None) or [family.model_class.__name__])
         how = "; its Transformers backend, trust_remote_code" if fmt == "prunelight" else ""
         note = f"; {family.vllm_note}" if family.vllm_note else ""
         engines.insert(0, f"{VLLM_VERSION} ({arch}{how}: greedy output equal to transformers'{note})")
     return engines
+
+
+def _query_width(config) -> int:
+    """Query heads x head_dim of a (stock) config: vLLM's Qwen2 serves it only when that is the hidden size."""
+    return config.num_attention_heads * get_family(config).head_dim(config)
 
 
 class VllmExportError(ValueError):
@@ -64,7 +70,7 @@ def vllm_layouts(config) -> dict[str, frozenset[str]]:
     """Per export format vLLM 0.32.0 serves for this model config, the shape features (prunelight.engines) a cut
     may have in it: a cut is servable when its features are a subset of one of them.
 
-    `stock`: one shape in every layer (every family). `nemotron_nas` (vLLM's DeciLM, Llama layers without a sliding
+    `stock`: one shape in every layer (every family; Qwen2 keeping every query head). `nemotron_nas` (vLLM's DeciLM, Llama layers without a sliding
     window): per-layer MLP widths, removed attention (never the first layer's) or MLP, one GQA group count.
     `prunelight` (vLLM's Transformers backend on the folder's remote code, layers sized by `per_layer_config`):
     per-layer MLP widths and GQA groups, removed MLPs; a removed attention has no attention module for vLLM to
@@ -74,6 +80,10 @@ def vllm_layouts(config) -> dict[str, frozenset[str]]:
 
     family = get_family(config)
     out = {"stock": frozenset({UNIFORM, GROUPS_REMOVED})}
+    if family.vllm_head_dim_from_hidden:  # removing a group breaks head_dim = hidden / heads
+        out["stock"] = frozenset({UNIFORM})
+        if _query_width(config) != config.hidden_size:
+            out = {}
     if getattr(config, "output_bias", False):  # a stock config cannot state o_proj/down_proj biases
         out = {}
     if family.nemotron_nas and getattr(config, "sliding_window", None) is None and not getattr(config, "output_bias",

@@ -232,6 +232,9 @@ class ModelFamily:
     nemotron_nas: bool = False
     """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
     `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
+    vllm_head_dim_from_hidden: bool = False
+    """vLLM 0.32.0's own class for the family takes head_dim = hidden / heads, ignoring config.head_dim (Qwen2):
+    its stock export is served only while every query head stays; other cuts go through the prunelight type."""
     vllm_note: str | None = None
     """A known difference between vLLM and transformers for this family, stated in the report and model card."""
     extra_model_types: tuple[str, ...] = ()
@@ -527,7 +530,7 @@ MISTRAL = ModelFamily(
 )
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,
-    pruned_decoder_class=modeling.PrunedQwen2Model, attn_bias="qkv", mlp_bias="none",
+    pruned_decoder_class=modeling.PrunedQwen2Model, attn_bias="qkv", mlp_bias="none", vllm_head_dim_from_hidden=True,
     # llama.cpp's own qwen2 architecture sizes attn_q as hidden x hidden (every query head kept), so a cut removing
     # GQA groups is written as llama / deci, whose graphs add optional q/k/v biases (Qwen2's rotary is Llama's)
     gguf_archs=("qwen2", "llama", "deci"),

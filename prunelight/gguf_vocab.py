@@ -1,8 +1,10 @@
 """The tokenizer keys of a GGUF file, as llama.cpp's converter (convert_hf_to_gguf.py) writes them.
 
-`copy_tokenizer`: every `tokenizer.*` key of a source GGUF, as stored. `write_tokenizer`: a byte-level BPE Hugging Face
-tokenizer (the `gpt2` tokenizer model of llama.cpp: Llama 3, Qwen2/3, SmolLM, Phi-4-mini, ...) as the converter's
-`_set_vocab_gpt2` writes it: tokens, token types, merges, special ids, chat template, and the pre-tokenizer.
+`copy_tokenizer`: every `tokenizer.*` key of a source GGUF, as stored. `write_tokenizer`: a Hugging Face fast
+tokenizer, byte-level BPE (llama.cpp's `gpt2` tokenizer model: Llama 3, Qwen2/3, SmolLM, Phi-4-mini, ...) as the
+converter's `_set_vocab_gpt2` writes it (tokens, types, merges, special ids, chat template, the pre-tokenizer), or
+SentencePiece-style BPE with byte fallback (its `llama` model: Llama 2, Mistral, Gemma 2/3, Phi-3-mini) with the
+scores SentencePiece's merge order implies and `add_space_prefix`.
 
 `tokenizer.ggml.pre` names the pre-tokenizer llama.cpp splits text with before BPE merges. The converter finds it by
 encoding `CHKTXT` with the Hugging Face tokenizer and looking the SHA-256 of the token list up in a table; the table
@@ -140,35 +142,120 @@ def pre_tokenizer(tokenizer) -> str | None:
 
 
 def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
-    """The vocabulary, merges, special ids, chat template and pre-tokenizer of a byte-level BPE Hugging Face
-    tokenizer; embedding rows past its vocabulary get `[PADn]` tokens of type UNUSED (as the converter writes)."""
+    """The tokenizer keys of a Hugging Face fast tokenizer, as the converter writes them: a byte-level BPE one as
+    llama.cpp's `gpt2` model (`_set_vocab_gpt2`), a SentencePiece-style BPE with byte fallback (Llama 2, Mistral,
+    Gemma, Phi-3-mini) as its `llama` model (`_set_vocab_llama_hf`); embedding rows past the vocabulary get `[PADn]`
+    tokens of type UNUSED."""
     import gguf
-    from gguf.vocab import BpeVocab, SpecialVocab
+    from gguf.vocab import SpecialVocab
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
-        try:
-            vocab = BpeVocab(Path(tmp))
-        except (FileNotFoundError, ValueError, KeyError) as err:
-            raise GgufExportError(f"export.gguf writes byte-level BPE tokenizers only (or a GGUF source's own); this "
-                             f"tokenizer is not one ({err})") from None
-        tokens, types = [], []
-        for text, _score, kind in vocab.all_tokens():
-            tokens.append(text if isinstance(text, str) else text.decode("utf-8"))
-            types.append(kind)
-        special = SpecialVocab(Path(tmp), load_merges=True, n_vocab=len(tokens))
-    pre = pre_tokenizer(tokenizer)
-    if pre is None:
-        raise GgufExportError("export.gguf: llama.cpp has no pre-tokenizer this tokenizer splits text like (its "
-                         "converter's table does not know it), so llama.cpp would tokenize text otherwise")
+        path = Path(tmp) / "tokenizer.json"
+        spec = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        model = spec.get("model", {})
+        if model.get("type") == "BPE" and model.get("byte_fallback"):
+            tokens, scores, types = _sentencepiece_tokens(tokenizer, spec)
+            kind, pre, merges = "llama", "default", False
+        elif model.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+            tokens, types = _byte_level_tokens(Path(tmp))
+            scores, kind, pre, merges = None, "gpt2", pre_tokenizer(tokenizer), True
+            if pre is None:
+                raise GgufExportError("export.gguf: llama.cpp knows no pre-tokenizer that splits text as this tokenizer "
+                                      "does (llama.cpp's converter's table has no entry for it), so llama.cpp would "
+                                      "tokenize text otherwise")
+        else:
+            raise GgufExportError(f"export.gguf writes byte-level BPE and SentencePiece-style BPE (byte fallback) "
+                                  f"tokenizers (or a GGUF source's own); this one is {model.get('type', 'not a fast')} "
+                                  "tokenizer")
+        special = SpecialVocab(Path(tmp), load_merges=merges, n_vocab=len(tokens))
     if len(tokens) < vocab_size:  # embedding rows past the tokenizer's vocabulary (padding)
+        pad = vocab_size - len(tokens)
         tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-        types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
-    writer.add_tokenizer_model("gpt2")
+        types += [gguf.TokenType.UNUSED] * pad
+        scores = None if scores is None else scores + [-1000.0] * pad
+    writer.add_tokenizer_model(kind)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens[:vocab_size])
+    if scores is not None:
+        writer.add_token_scores(scores[:vocab_size])
     writer.add_token_types(types[:vocab_size])
+    if kind == "llama":
+        writer.add_add_space_prefix(_adds_space_prefix(spec))
     special.add_to_gguf(writer, quiet=True)
+
+
+def _byte_level_tokens(folder: Path) -> tuple[list[str], list[int]]:
+    """Tokens and types of a byte-level BPE tokenizer saved in `folder` (the converter's BpeVocab)."""
+    from gguf.vocab import BpeVocab
+
+    try:
+        vocab = BpeVocab(folder)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise GgufExportError(f"export.gguf cannot read this byte-level BPE tokenizer ({err})") from None
+    tokens, types = [], []
+    for text, _score, kind in vocab.all_tokens():
+        tokens.append(text if isinstance(text, str) else text.decode("utf-8"))
+        types.append(kind)
+    return tokens, types
+
+
+def _sentencepiece_tokens(tokenizer, spec: dict) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of a SentencePiece-style BPE tokenizer (byte fallback), for llama.cpp's `llama` model.
+
+    llama.cpp merges the adjacent pair whose joined piece has the highest score, as SentencePiece does; transformers
+    merges by rank, its merges listing every split of every piece in piece order (transformers' SentencePiece
+    converter). A piece's score is therefore minus its rank: the first merge producing it, else its id (unmerged
+    pieces: single characters, bytes, specials, are never looked up as a merge).
+    """
+    import gguf
+
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    merges = spec["model"].get("merges") or []
+    size = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    scores = [-1000.0] * size
+    types = [gguf.TokenType.UNUSED] * size
+    for piece, i in vocab.items():
+        tokens[i], scores[i], types[i] = piece, -float(i), gguf.TokenType.NORMAL
+    for rank, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        i = vocab.get(left + right)
+        if i is not None and scores[i] == -float(i):  # the first merge producing it
+            scores[i] = -float(rank)
+    for piece, i in vocab.items():
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            types[i] = gguf.TokenType.BYTE
+    unk = spec["model"].get("unk_token")
+    if unk in vocab:
+        types[vocab[unk]] = gguf.TokenType.UNKNOWN
+    for added in spec.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+        if added["content"] == unk:
+            types[added["id"]] = gguf.TokenType.UNKNOWN
+    return tokens, scores, types
+
+
+def _adds_space_prefix(spec: dict) -> bool:
+    """Whether the tokenizer puts "▁" before the text (a Prepend normalizer or a Metaspace that prepends), which
+    llama.cpp's `add_space_prefix` does; Gemma's does not."""
+    def walk(node):
+        if isinstance(node, dict):
+            yield node
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from walk(value)
+
+    for node in walk([spec.get("normalizer"), spec.get("pre_tokenizer")]):
+        if node.get("type") == "Prepend":
+            return True
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") != "never" \
+                and node.get("add_prefix_space", True):
+            return True
+    return False
 
 
 def copy_tokenizer(writer, source_gguf: Path) -> None:

@@ -22,7 +22,14 @@ from prunelight.families import get_family
 from prunelight.gguf_export import write_gguf
 from prunelight.llama_cpp import ENV, engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_gguf, shared_dir, sized_plan, tiny_cut, tiny_model
+from prunelight.testing import (
+    make_tiny_gguf,
+    shared_dir,
+    sized_plan,
+    tiny_cut,
+    tiny_model,
+    tiny_sentencepiece_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(engine_missing() is not None, reason=str(engine_missing()))]
@@ -182,6 +189,7 @@ console.log(JSON.stringify(texts.map((t) => Array.from(model.tokenize(t, false))
 await model.dispose(); await llama.dispose();
 """
 TEXTS = ["Hello world, it's 2026!  Two spaces,\ttabs and\nnew lines.", "The quick brown fox jumps over the lazy dog.",
+         "the quick brown fox , a model that is pruned must still speak . déjà vu   then groups overthrown thereon",
          "We've been 'told' he'll come: 3.14 apples, 1000000 pears... OK?", "  leading spaces and trailing   ",
          "don't DON'T I'M you're"]
 
@@ -198,11 +206,13 @@ def llama_cpp_tokens(gguf_path: Path, texts: list[str], tmp_path: Path) -> list[
 
 
 def test_llama_cpp_tokenizes_text_as_the_transformers_tokenizer(tmp_path):
-    """The tokenizer keys written from a Hugging Face byte-level BPE tokenizer (vocabulary, merges, the pre-tokenizer
-    found as llama.cpp's converter finds it) make llama.cpp split text into transformers' tokens: the tiny GGUF's
-    tokenizer, and the reference model's trained 4096-token one when ../shared has it."""
+    """The tokenizer keys written from a Hugging Face tokenizer make llama.cpp split text into transformers' tokens:
+    byte-level BPE (vocabulary, merges, the pre-tokenizer found as llama.cpp's converter finds it: the tiny GGUF's
+    tokenizer, and the reference model's trained 4096-token one when ../shared has it) and SentencePiece-style BPE
+    with byte fallback (scores from the merge order; with and without the space prefix, Llama 2's and Gemma's)."""
     path, _ = make_tiny_gguf(tmp_path / "src.gguf")
-    tokenizers = {"tiny": sources.load_tokenizer(sources.resolve_pretrained(str(path)))}
+    tokenizers = {"tiny": sources.load_tokenizer(sources.resolve_pretrained(str(path))),
+                  "spm": tiny_sentencepiece_tokenizer(), "spm_gemma": tiny_sentencepiece_tokenizer(space_prefix=False)}
     shared = shared_dir()
     if shared is not None and (shared / "models" / "ref-llama-gqa" / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
