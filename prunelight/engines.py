@@ -173,11 +173,18 @@ def check_servable(config, engine: str, features) -> None:
 
 
 def matrix_markdown() -> str:
-    """The table as Markdown (docs/serving.md): one row per family and engine, one column per feature."""
+    """The table as Markdown (docs/serving.md): one row per family and engine, one column per feature, each cell the
+    outcome and the format; conditions and engine messages as numbered notes below."""
+    notes: dict[str, int] = {}
+
+    def cell(c: Cell) -> str:
+        text = f"{c.status} ({c.via})" if c.status == RUNS else f"**{c.status}** ({c.via})"
+        if c.note:
+            text += f" [{notes.setdefault(c.note, len(notes) + 1)}]"
+        return text
+
     head = "| family | engine | " + " | ".join(FEATURES) + " |\n|---|---|" + "---|" * len(FEATURES) + "\n"
-    rows = []
-    for family, engines in SERVING.items():
-        for engine, row in engines.items():
-            rows.append(f"| {family} | {engine} | " + " | ".join(str(row[f]) if f in row else "-" for f in FEATURES)
-                        + " |")
-    return head + "\n".join(rows) + "\n"
+    rows = [f"| {family} | {engine} | " + " | ".join(cell(row[f]) if f in row else "-" for f in FEATURES) + " |"
+            for family, engines in SERVING.items() for engine, row in engines.items()]
+    footer = "\n".join(f"[{n}] {note}" for note, n in notes.items())
+    return head + "\n".join(rows) + "\n\n" + footer + "\n"

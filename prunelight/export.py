@@ -104,13 +104,14 @@ def check_vllm_shapes(config, features) -> None:
     if any(features <= states for states in layouts.values()):
         return
     family = get_family(config)
-    best = max(layouts.values(), key=len, default=frozenset())
-    stated = "; ".join(f"{fmt}: {', '.join(sorted(states))}" for fmt, states in layouts.items()) or "none"
-    missing = features - best
-    hint = ("keep an attention in every layer (prune.min_groups: 1)" if ATTN_REMOVED in missing
+    lacking = "; ".join(f"{fmt} lacks {', '.join(sorted(features - states))}" for fmt, states in layouts.items())
+    without_removal = features - {ATTN_REMOVED}
+    hint = ("keep an attention in every layer (prune.min_groups: 1)"
+            if ATTN_REMOVED in features and any(without_removal <= states for states in layouts.values())
             else "cut with one shape in every layer (export.format: stock)")
-    raise VllmExportError(f"vLLM cannot serve a {family.name} cut with {', '.join(sorted(missing))}: its layouts for "
-                          f"this model state only ({stated}); {hint}")
+    together = " together" if len(features) > 1 else ""
+    raise VllmExportError(f"vLLM cannot serve a {family.name} cut with {', '.join(sorted(features))}{together}: no "
+                          f"layout states it for this model ({lacking or 'it has no layout'}); {hint}")
 
 
 NAS_ARCHITECTURE = "DeciLMForCausalLM"
