@@ -176,6 +176,27 @@ def test_every_runs_cell_of_the_engine_table_in_llama_cpp(tmp_path, family, feat
         assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=tolerance), dtype
 
 
+def test_gemma3_linear_rope_scaling_of_full_layers_in_llama_cpp(tmp_path):
+    """Gemma 3's full-attention layers scale their rotary linearly (factor 8 in 4B-27B), its sliding layers do not:
+    `rope.scaling.type linear` + factor, and llama.cpp leaves the sliding layers (rope.freq_base_swa) unscaled. The
+    file's perplexity is transformers' (measured 7e-5) and not the unscaled model's (2.7e-3 away)."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    common = {"vocab_size": 262, "max_position_embeddings": 128, "initializer_range": 0.2}
+    model = tiny_cut("gemma3_text", "groups_removed", rope_parameters=rope, **common)
+    plain = tiny_cut("gemma3_text", "groups_removed", **common)  # the same weights (seed), unscaled
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    out = write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
+    got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                         "perplexity": {"windows": windows}})
+    assert got["greedy"] == argmax_greedy(model, prompts, 8)
+    ppl = hf_perplexity(model, windows)
+    assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=5e-4)
+    assert abs(hf_perplexity(plain, windows) / ppl - 1) > 2e-3
+
+
 # node-llama-cpp's own tokenizer on text (the GGUF's vocabulary, merges and pre-tokenizer), no special tokens added
 _TOKENIZE = """
 import {createRequire} from "node:module"; import path from "node:path"; import {pathToFileURL} from "node:url";
