@@ -176,6 +176,33 @@ def test_every_runs_cell_of_the_engine_table_in_llama_cpp(tmp_path, family, feat
         assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=tolerance), dtype
 
 
+@pytest.mark.parametrize("family,config", [("llama", {}), ("mistral", {}), ("qwen2", {}),
+                                           ("qwen3", {"attention_bias": False, "tie_word_embeddings": True})])
+def test_default_cut_of_a_tiny_model_in_llama_cpp(tmp_path, family, config):
+    """prunelight's default cut (`prunelight.prune` with default settings at 20%: the search allocation, per-layer MLP
+    widths) of a 4-layer tiny model, written as F16 GGUF (deci; openelm for tied Qwen3): llama.cpp's greedy tokens are
+    transformers' on the F16 weights up to near ties, perplexity within 1%. (Gemma 3's per-layer cut has no llama.cpp
+    architecture: the run plan keeps its shapes uniform when export.gguf is asked for.)"""
+    import prunelight
+
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    model = tiny_model(family, vocab_size=262, max_position_embeddings=128, initializer_range=0.2,
+                       num_hidden_layers=4, **config)
+    calibration = torch.randint(3, 262, (8, 32), generator=torch.Generator().manual_seed(0))
+    model, _plan = prunelight.prune(model, {"ratio": 0.2}, calibration=calibration)
+    fam = get_family(model)
+    assert engines.MLP_PER_LAYER in engines.shape_features(fam.base_shape(model.config), fam.layer_shapes(model))
+    out = write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                         "perplexity": {"windows": windows}})
+    same = f16_rounded(model)
+    agree = greedy_agreement(same, prompts, got["greedy"], argmax_greedy(same, prompts, 8))
+    assert agree["equal_up_to_near_ties"], agree
+    assert got["perplexity"]["ppl"] == pytest.approx(hf_perplexity(model, windows), rel=0.01)
+
+
 def test_gemma3_linear_rope_scaling_of_full_layers_in_llama_cpp(tmp_path):
     """Gemma 3's full-attention layers scale their rotary linearly (factor 8 in 4B-27B), its sliding layers do not:
     `rope.scaling.type linear` + factor, and llama.cpp leaves the sliding layers (rope.freq_base_swa) unscaled. The
