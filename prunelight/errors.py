@@ -67,3 +67,7 @@ def one_line(err: BaseException) -> str:
             detail = re.sub(r"\s*- ", " ", detail)
         return f"{m.group(1)}: {detail}"[:400]
     return " ".join(text.split())[:600]
+
+
+class GgufExportError(ValueError):
+    """The model (or its tokenizer) cannot be written as a GGUF file llama.cpp runs."""

@@ -12,6 +12,15 @@ from prunelight import modeling
 from prunelight.atomic import atomic_dir
 from prunelight.errors import one_line
 from prunelight.families import MODEL_FAMILIES, get_family, unwrap
+from prunelight.serving import (
+    ATTN_REMOVED,
+    GROUPS_REMOVED,
+    KV_PER_LAYER,
+    MLP_PER_LAYER,
+    MLP_REMOVED,
+    UNIFORM,
+    served_formats,
+)
 from prunelight.settings import EXPORT_FORMATS
 
 log = logging.getLogger(__name__)
@@ -46,11 +55,68 @@ def engines_verified(config) -> list[str]:
     """What an exported folder with this `config.json` config was verified in by prunelight's own checks."""
     fmt, family = format_of(config), get_family(config)  # a stock fallback (Llama -> Mistral) is its own family
     engines = [TRANSFORMERS_LOAD[fmt]]
-    if fmt in family.vllm_served:
+    shapes = getattr(config, "layer_shapes", None) or []
+    removed_attn = any(not s.get("num_attention_heads", 1) for s in shapes)
+    narrow = fmt == "stock" and family.vllm_head_dim_from_hidden and _query_width(config) != config.hidden_size
+    if fmt in served_formats(family.name, "vllm") and not (fmt == "prunelight" and removed_attn) and not narrow:
         arch = ", ".join(getattr(config, "architectures", None) or [family.model_class.__name__])
+        how = "; its Transformers backend, trust_remote_code" if fmt == "prunelight" else ""
         note = f"; {family.vllm_note}" if family.vllm_note else ""
-        engines.insert(0, f"{VLLM_VERSION} ({arch}: greedy output equal to transformers'{note})")
+        engines.insert(0, f"{VLLM_VERSION} ({arch}{how}: greedy output equal to transformers'{note})")
     return engines
+
+
+def _query_width(config) -> int:
+    """Query heads x head_dim of a (stock) config: vLLM's Qwen2 serves it only when that is the hidden size."""
+    return config.num_attention_heads * get_family(config).head_dim(config)
+
+
+class VllmExportError(ValueError):
+    """A cut with shape features no layout vLLM serves can state (for this model config)."""
+
+
+def vllm_layouts(config) -> dict[str, frozenset[str]]:
+    """Per export format vLLM 0.32.0 serves for this model config, the shape features (prunelight.serving) a cut
+    may have in it: a cut is servable when its features are a subset of one of them.
+
+    `stock`: one shape in every layer (every family; Qwen2 keeping every query head). `nemotron_nas` (vLLM's DeciLM, Llama layers without a sliding
+    window): per-layer MLP widths, removed attention (never the first layer's) or MLP, one GQA group count.
+    `prunelight` (vLLM's Transformers backend on the folder's remote code, layers sized by `per_layer_config`):
+    per-layer MLP widths and GQA groups, removed MLPs; a removed attention has no attention module for vLLM to
+    serve, so it is refused.
+    """
+    family = get_family(config)
+    out = {"stock": frozenset({UNIFORM, GROUPS_REMOVED})}
+    if family.vllm_head_dim_from_hidden:  # removing a group breaks head_dim = hidden / heads
+        out["stock"] = frozenset({UNIFORM})
+        if _query_width(config) != config.hidden_size:
+            out = {}
+    if getattr(config, "output_bias", False):  # a stock config cannot state o_proj/down_proj biases
+        out = {}
+    if family.nemotron_nas and getattr(config, "sliding_window", None) is None and not getattr(config, "output_bias",
+                                                                                                False):
+        out["nemotron_nas"] = frozenset({UNIFORM, GROUPS_REMOVED, MLP_PER_LAYER, ATTN_REMOVED, MLP_REMOVED})
+    if family.pruned_decoder_class is not None and not getattr(config, "output_bias", False):
+        out["prunelight"] = frozenset({UNIFORM, GROUPS_REMOVED, MLP_PER_LAYER, KV_PER_LAYER, MLP_REMOVED})
+    return out
+
+
+def check_vllm_shapes(config, features) -> None:
+    """Refuse (one line, before any weights load) a cut with these shape features (prunelight.serving names: what
+    the allocation may produce) that no layout vLLM serves states for this model config."""
+    features = frozenset(features)
+    layouts = vllm_layouts(config)
+    if any(features <= states for states in layouts.values()):
+        return
+    family = get_family(config)
+    lacking = "; ".join(f"{fmt} lacks {', '.join(sorted(features - states))}" for fmt, states in layouts.items())
+    without_removal = features - {ATTN_REMOVED}
+    hint = ("keep an attention in every layer (prune.min_groups: 1)"
+            if ATTN_REMOVED in features and any(without_removal <= states for states in layouts.values())
+            else "cut with one shape in every layer (export.format: stock)")
+    together = " together" if len(features) > 1 else ""
+    raise VllmExportError(f"vLLM cannot serve a {family.name} cut with {', '.join(sorted(features))}{together}: no "
+                          f"layout states it for this model ({lacking or 'it has no layout'}); {hint}")
 
 
 NAS_ARCHITECTURE = "DeciLMForCausalLM"
@@ -60,7 +126,8 @@ def _config_dict(base: nn.Module, family) -> dict:
     data = base.config.to_dict()
     data["head_dim"] = family.head_dim(base.config)
     # Per-layer shape fields are restated from the layers (a model loaded from a served folder has block_configs).
-    for key in ("layer_shapes", "block_configs", "auto_map", "model_type", "architectures", "transformers_version"):
+    for key in ("layer_shapes", "block_configs", "auto_map", "model_type", "architectures", "transformers_version",
+                "per_layer_config", "allow_global_per_layer_attribute_access"):
         data.pop(key, None)
     return data
 
@@ -177,19 +244,22 @@ def format_of(config) -> str:
 def export_config(model: nn.Module, format: str = "auto"):
     """The config to save. `stock`: a stock config of a served family or an error (see `stock_config`).
 
-    `nemotron_nas`: the served per-layer layout (see `nas_config`) or an error.
+    `nemotron_nas`: the served per-layer layout (see `nas_config`) or an error. `prunelight`: the prunelight type
+    (see `prunelight_config`), also for shapes a stock config would state.
     `auto`: stock when every layer has the same shape and the family's own stock validation accepts it,
     else nemotron_nas when that layout states the shapes (a served format whenever the plan allows one),
     else the prunelight type (per-layer `layer_shapes`, loaded with the bundled modeling file). A model whose
     o_proj/down_proj gained biases (`output_bias`, reconstruction) always gets the prunelight type: the stock
     config can state an o_proj bias only together with q/k/v biases.
     """
-    if format not in EXPORT_FORMATS:
+    if format not in (*EXPORT_FORMATS, "prunelight"):
         raise ValueError(f"export.format={format!r} is not allowed: use one of {', '.join(EXPORT_FORMATS)}")
     if format == "stock":
         return stock_config(model)
     if format == "nemotron_nas":
         return nas_config(model)
+    if format == "prunelight":  # per-layer shapes whatever they are (vLLM's Transformers backend serves most)
+        return prunelight_config(model)
     base = unwrap(model)
     family = get_family(base)
     shapes = family.layer_shapes(base)
@@ -206,15 +276,38 @@ def export_config(model: nn.Module, format: str = "auto"):
     if why is None:
         return nas_config(base)
     log.info("export: the Nemotron-NAS layout cannot state these shapes (%s); saving a prunelight config", why)
+    return prunelight_config(base)
+
+
+def prunelight_config(model: nn.Module):
+    """The prunelight type: the family's config plus `layer_shapes`, loaded with the bundled modeling file.
+
+    vLLM serves it through its Transformers backend (trust_remote_code): `AutoModel` builds the decoder at its
+    per-layer widths, and transformers' heterogeneous-config overrides (`per_layer_config`: each layer's head counts
+    and MLP width where they differ from the config's own, the dense model's) size each layer's attention in vLLM
+    (without them vLLM gives every layer the config's head counts and crashes). The stock modules read the config's
+    widths while being built and are resized right after, so their global reading is allowed
+    (`allow_global_per_layer_attribute_access`).
+    """
+    base = unwrap(model)
+    family = get_family(base)
+    shapes = [s.as_dict() for s in family.layer_shapes(base)]
+    data = _config_dict(base, family)
     remote = REMOTE_CODE_FILE.removesuffix(".py")
+    auto_map = {
+        "AutoConfig": f"{remote}.{family.pruned_config_class.__name__}",
+        "AutoModelForCausalLM": f"{remote}.{family.pruned_model_class.__name__}",
+    }
+    if family.pruned_decoder_class is not None:
+        auto_map["AutoModel"] = f"{remote}.{family.pruned_decoder_class.__name__}"
+    overrides = modeling.per_layer_config(shapes, data)
+    extra = {"per_layer_config": overrides, "allow_global_per_layer_attribute_access": True} if overrides else {}
     return family.pruned_config_class(
         **data,
-        layer_shapes=[s.as_dict() for s in shapes],
+        layer_shapes=shapes,
         architectures=[family.pruned_model_class.__name__],
-        auto_map={
-            "AutoConfig": f"{remote}.{family.pruned_config_class.__name__}",
-            "AutoModelForCausalLM": f"{remote}.{family.pruned_model_class.__name__}",
-        },
+        auto_map=auto_map,
+        **extra,
     )
 
 

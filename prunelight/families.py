@@ -226,26 +226,29 @@ class ModelFamily:
     final_logit_softcapping: bool = False
     """The causal LM soft-caps its logits (cap * tanh(logits / cap), cap = config.final_logit_softcapping, no cap when
     that is null) after the LM head, so logits built from the decoder's output must apply it too (`logits_head`)."""
+    pruned_decoder_class: type[PreTrainedModel] | None = None
+    """The decoder alone at per-layer widths (`AutoModel` of the prunelight type): what vLLM's Transformers backend
+    builds from the folder's remote code, with its own LM head on top."""
     nemotron_nas: bool = False
     """Its layers are Llama layers (RMSNorm, q/k/v/o and gate/up/down projections, biases as `attention_bias` /
     `mlp_bias` state them), so `export.format: nemotron_nas` can state them in vLLM's DeciLM layout."""
-    vllm_served: tuple[str, ...] = ("stock",)
-    """Export formats of this family that vLLM 0.32.0 served with greedy output equal to transformers' in
-    prunelight's serving check (`scripts/serve_check.py`, results/benchmarks/serve_check.md)."""
+    vllm_head_dim_from_hidden: bool = False
+    """vLLM 0.32.0's own class for the family takes head_dim = hidden / heads, ignoring config.head_dim (Qwen2):
+    its stock export is served only while every query head stays; other cuts go through the prunelight type."""
     vllm_note: str | None = None
     """A known difference between vLLM and transformers for this family, stated in the report and model card."""
     extra_model_types: tuple[str, ...] = ()
     """Other config.model_type values whose models are this family's (Llama: `nemotron-nas`, the served layout
     prunelight writes, reloaded as NemotronNasForCausalLM, a LlamaForCausalLM)."""
-    gguf_arch: str | None = None
-    """llama.cpp's architecture (GGUF `general.architecture`) for this family's layers when every layer has one
-    shape (`export.gguf`, prunelight/gguf_export.py); None: no GGUF export."""
-    gguf_per_layer_arch: str | None = None
-    """llama.cpp's architecture that reads head counts, KV heads and MLP widths per layer, 0 for a removed
-    sub-block (`deci` for Llama layers); None: per-layer widths cannot be written as GGUF."""
-    gguf_rope_permute: bool = False
-    """llama.cpp's graph for `gguf_arch` rotates interleaved pairs, so q/k rows are reordered from transformers'
-    half-split layout, per layer with its own head counts."""
+    gguf_archs: tuple[str, ...] = ()
+    """llama.cpp architectures (GGUF `general.architecture`) that can state this family's layers, in preference
+    order: its own first (`export.gguf`, prunelight/gguf_export.py, whose `ARCHS` says what each one's loader and
+    graph state); a cut goes to the first that states its shapes. Empty: no GGUF export."""
+    gguf_norm_offset: float = 0.0
+    """Added to every RMSNorm weight written: Gemma's norms multiply by (1 + weight), llama.cpp's by the weight."""
+    attn_scale_field: str | None = None
+    """The config field whose inverse square root scales attention scores (Gemma: `query_pre_attn_scalar`); None:
+    head_dim^-0.5."""
     final_norm_path: str = "model.norm"
     stock_fallback: str | None = None
     """The family (MODEL_FAMILIES key) whose stock config states this family's uniform shapes when its own config
@@ -506,47 +509,59 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama", LlamaConfig, LlamaForCausalLM, modeling.PrunedLlamaConfig, modeling.PrunedLlamaForCausalLM,
-    attn_bias="config", mlp_bias="config", stock_fallback="mistral", nemotron_nas=True,
-    vllm_served=("stock", "nemotron_nas"), extra_model_types=(modeling.NemotronNasConfig.model_type,),
-    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,
+    pruned_decoder_class=modeling.PrunedLlamaModel, attn_bias="config", mlp_bias="config", stock_fallback="mistral",
+    nemotron_nas=True,
+    extra_model_types=(modeling.NemotronNasConfig.model_type,),
+    gguf_archs=("llama", "deci"),
 )
 MISTRAL = ModelFamily(
     "mistral", MistralConfig, MistralForCausalLM, modeling.PrunedMistralConfig, modeling.PrunedMistralForCausalLM,
-    attn_bias="none", mlp_bias="none", nemotron_nas=True,  # with sliding_window: null (export checks)
-    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,  # llama.cpp states Mistral as llama
+    pruned_decoder_class=modeling.PrunedMistralModel, attn_bias="none", mlp_bias="none",
+    nemotron_nas=True,  # with sliding_window: null (export checks)
+    gguf_archs=("llama", "deci"),  # llama.cpp's converter writes Mistral as llama
 )
 QWEN2 = ModelFamily(
     "qwen2", Qwen2Config, Qwen2ForCausalLM, modeling.PrunedQwen2Config, modeling.PrunedQwen2ForCausalLM,
-    attn_bias="qkv", mlp_bias="none",
-    # llama.cpp's own qwen2 architecture sizes attn_q as hidden x hidden (every query head kept), so a cut Qwen2 is
-    # written as llama / deci, whose graphs add optional q/k/v biases (the same model: Qwen2's rotary is Llama's)
-    gguf_arch="llama", gguf_per_layer_arch="deci", gguf_rope_permute=True,
+    pruned_decoder_class=modeling.PrunedQwen2Model, attn_bias="qkv", mlp_bias="none", vllm_head_dim_from_hidden=True,
+    # llama.cpp's own qwen2 architecture sizes attn_q as hidden x hidden (every query head kept), so a cut removing
+    # GQA groups is written as llama / deci, whose graphs add optional q/k/v biases (Qwen2's rotary is Llama's)
+    gguf_archs=("qwen2", "llama", "deci"),
 )
 
 # Qwen3 and Gemma 3: q_norm / k_norm are one RMSNorm over head_dim shared by every head: nothing to slice.
 QWEN3 = ModelFamily(
     "qwen3", Qwen3Config, Qwen3ForCausalLM, modeling.PrunedQwen3Config, modeling.PrunedQwen3ForCausalLM,
-    attn_bias="config", mlp_bias="none",
+    pruned_decoder_class=modeling.PrunedQwen3Model, attn_bias="config", mlp_bias="none",
     # vLLM 0.32.0's Qwen3 builds o_proj without a bias; transformers adds one when attention_bias is true (no
     # published Qwen3 sets it): such a model differs in vLLM even unpruned (checked on a tiny dense model).
     vllm_note="with attention_bias: true vLLM 0.32.0 drops o_proj's bias (its outputs differ from transformers' "
               "even unpruned); Qwen3 checkpoints as published have attention_bias: false",
+    # llama.cpp's openelm reads per-layer heads / KV heads / FFN widths with Qwen3's q/k norms, SiLU MLP and
+    # half-split rotary, its head being the token embedding (tied Qwen3: 0.6B, 1.7B, 4B)
+    gguf_archs=("qwen3", "openelm"),
 )
 # Gemma 2 / 3: the sandwich norms act on hidden_size, soft-capping on scores/logits, the attention scale on
 # query_pre_attn_scalar: none depends on the number of heads or channels, so the generic cut is exact.
 GEMMA2 = ModelFamily(
     "gemma2", Gemma2Config, Gemma2ForCausalLM, modeling.PrunedGemma2Config, modeling.PrunedGemma2ForCausalLM,
-    attn_bias="config", mlp_bias="none", final_logit_softcapping=True,
+    pruned_decoder_class=modeling.PrunedGemma2Model, attn_bias="config", mlp_bias="none", final_logit_softcapping=True,
+    gguf_archs=("gemma2",), gguf_norm_offset=1.0, attn_scale_field="query_pre_attn_scalar",
 )
 GEMMA3_TEXT = ModelFamily(
     "gemma3_text", Gemma3TextConfig, Gemma3ForCausalLM, modeling.PrunedGemma3TextConfig,
-    modeling.PrunedGemma3ForCausalLM, attn_bias="config", mlp_bias="none", final_logit_softcapping=True,
+    modeling.PrunedGemma3ForCausalLM, pruned_decoder_class=modeling.PrunedGemma3TextModel, attn_bias="config",
+    mlp_bias="none", final_logit_softcapping=True,
+    gguf_archs=("gemma3",), gguf_norm_offset=1.0, attn_scale_field="query_pre_attn_scalar",
 )
 PHI3 = ModelFamily(
     "phi3", Phi3Config, Phi3ForCausalLM, modeling.PrunedPhi3Config, modeling.PrunedPhi3ForCausalLM,
-    attn_bias="none", mlp_bias="none", q_name="qkv_proj", k_name="qkv_proj", v_name="qkv_proj",
+    pruned_decoder_class=modeling.PrunedPhi3Model, attn_bias="none", mlp_bias="none", q_name="qkv_proj",
+    k_name="qkv_proj", v_name="qkv_proj",
     gate_name="gate_up_proj", up_name="gate_up_proj", fused_qkv=True, fused_gate_up=True,
     attn_heads_from_config=True,
+    # llama.cpp's phi3 keeps every query head (attn_q is hidden x hidden); split into q/k/v and gate/up, Phi-3's
+    # layers are Llama's, so llama / deci state the rest when the rotary embedding covers the whole head
+    gguf_archs=("phi3", "llama", "deci"),
 )
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {

@@ -27,18 +27,25 @@ from transformers import (
     Cache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma2Model,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma3TextModel,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaModel,
     MistralConfig,
     MistralForCausalLM,
+    MistralModel,
     Phi3Config,
     Phi3ForCausalLM,
+    Phi3Model,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2Model,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
 )
 
 
@@ -237,13 +244,14 @@ def resize_decoder_layer(layer: nn.Module, shape: dict, head_dim: int, fused: bo
 
 class _PrunedMixin:
     """Resizes every layer to `config.layer_shapes` (and adds the `output_bias` biases) right after the stock
-    constructor, before any weight is loaded."""
+    constructor, before any weight is loaded. Mixed into the causal LM (layers under `.model`) and into the decoder
+    alone (`AutoModel`, which vLLM's Transformers backend builds, putting its own head on top)."""
 
     _fused = False  # Phi-3's fused qkv_proj / gate_up_proj (see `resize_decoder_layer`)
 
     def _resize_to_layer_shapes(self) -> None:
         shapes = getattr(self.config, "layer_shapes", None)
-        layers = self.model.layers
+        layers = self.model.layers if isinstance(getattr(self, "model", None), nn.Module) else self.layers
         if shapes:
             if len(shapes) != len(layers):
                 raise ValueError(f"config.layer_shapes has {len(shapes)} entries for {len(layers)} layers")
@@ -369,6 +377,76 @@ class PrunedPhi3ForCausalLM(_PrunedMixin, Phi3ForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self._resize_to_layer_shapes()
+
+
+# The decoders alone, for `AutoModel`: vLLM's Transformers backend builds the decoder from the folder's remote code and
+# serves its layers at their own widths when the config states them per layer (`per_layer_config`, export.py).
+class PrunedLlamaModel(_PrunedMixin, LlamaModel):
+    config_class = PrunedLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedMistralModel(_PrunedMixin, MistralModel):
+    config_class = PrunedMistralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedQwen2Model(_PrunedMixin, Qwen2Model):
+    config_class = PrunedQwen2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedQwen3Model(_PrunedMixin, Qwen3Model):
+    config_class = PrunedQwen3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedGemma2Model(_PrunedMixin, Gemma2Model):
+    config_class = PrunedGemma2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedGemma3TextModel(_PrunedMixin, Gemma3TextModel):
+    config_class = PrunedGemma3TextConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+class PrunedPhi3Model(_PrunedMixin, Phi3Model):
+    config_class = PrunedPhi3Config
+    _fused = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._resize_to_layer_shapes()
+
+
+def per_layer_config(shapes: list[dict], config_fields: dict) -> dict:
+    """transformers' heterogeneous-config overrides (`per_layer_config`, {layer: {field: value}}) for the layers whose
+    head counts or MLP width differ from the config's own: what vLLM reads to size each layer's attention."""
+    overrides = {}
+    for i, shape in enumerate(shapes):
+        diff = {k: v for k, v in shape.items() if v != config_fields.get(k)}
+        if diff:
+            overrides[str(i)] = diff
+    return overrides
 
 
 class BlockFields(dict):

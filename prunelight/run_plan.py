@@ -24,7 +24,9 @@ from torch import nn
 from prunelight.allocation import Allocation, Budget, Shape, allocation_of, check_shape, precheck
 from prunelight.allocation.shapes import SHAPES
 from prunelight.families import get_family, unwrap
-from prunelight.gguf_export import check_gguf_config, check_gguf_widths
+from prunelight import serving
+from prunelight.export import check_vllm_shapes, vllm_layouts
+from prunelight.gguf_export import GgufExportError, check_gguf_config, check_gguf_shapes, check_gguf_widths, gguf_layouts
 from prunelight.importance import build_criterion
 from prunelight.plan import PrunePlan
 from prunelight.saved import SavedScores, read_saved_inputs
@@ -202,3 +204,28 @@ def check_gguf_export(settings: PruneSettings, gguf: GgufSettings | None, config
         raise ValueError("export.gguf is not allowed with prune.reconstruct=bias: it does not write the "
                          "o_proj/down_proj biases the compensation adds; use reconstruct: least_squares or none")
     check_gguf_widths(gguf.dtype, config, settings.align_channels)
+
+
+def engine_layouts(config, engine: str) -> dict[str, frozenset[str]]:
+    """Per format `engine` serves this model config in, the shape features a cut may have: a cut is servable
+    when its features are a subset of one of them (llama.cpp: per GGUF architecture; vLLM: per export format)."""
+    if engine == "llama.cpp":
+        try:
+            return gguf_layouts(config)
+        except GgufExportError:
+            return {}
+    if engine == "vllm":
+        return vllm_layouts(config)
+    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(serving.ENGINES)}")
+
+
+def check_servable(config, engine: str, features) -> None:
+    """Refuse (one line, before any weights load) a cut with these shape features that `engine` cannot serve for
+    this model config, naming the family and what the engine cannot state."""
+    if engine == "llama.cpp":
+        check_gguf_config(config)
+        check_gguf_shapes(config, features)
+    elif engine == "vllm":
+        check_vllm_shapes(config, features)
+    else:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(serving.ENGINES)}")

@@ -114,6 +114,37 @@ def tiny_tokenizer(vocab_size: int = 128):
     )
 
 
+def tiny_sentencepiece_tokenizer(space_prefix: bool = True):
+    """A small SentencePiece-style BPE tokenizer (byte fallback, "▁" for spaces), laid out as transformers converts
+    SentencePiece models (Llama 2, Mistral, Gemma, Phi-3-mini): 3 specials, the 256 byte pieces, characters, then
+    pieces of the tiny text's words; its merges are every split of every piece into two pieces, in piece order
+    (transformers' SentencePieceExtractor). `space_prefix`: "▁" before the text (Llama 2); False: Gemma's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁"]
+    pieces += sorted(set(_TINY_TEXT.replace(" ", "")) - {"▁"})
+    # frequent pairs first (higher scores), so words are built along competing merge paths, as in trained vocabularies
+    pieces += ["er", "th", "he", "ou", "ck", "in", "re", "ow", "ve", "ro", "▁t", "an", "nd", "ed", "on"]
+    for word in dict.fromkeys(_TINY_TEXT.split()):
+        for end in range(2, len(word) + 2):  # ▁w, ▁wo, ... : every piece reachable by one merge from a shorter one
+            piece = ("▁" + word)[:end]
+            if piece not in pieces:
+                pieces.append(piece)
+    pieces.append("▁▁")
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = []
+    for piece in pieces:
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        merges += sorted(splits, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([*([normalizers.Prepend("▁")] if space_prefix else []),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if space_prefix else [])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def make_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **overrides):
     """Save a tiny random model plus tokenizer as a Hugging Face folder (what `model.pretrained` points at)."""
     from pathlib import Path
@@ -280,6 +311,27 @@ def make_tiny_gguf(path, seed: int = 0, quantization: str = "F32", **overrides):
     w.close()
     return path, model
 
+
+
+# A cut of a tiny 2-layer model (2 GQA groups, 96 channels per layer) showing each shape feature of
+# prunelight.serving: (GQA groups kept per layer, MLP channels kept per layer); 0 removes the sub-block.
+FEATURE_CUTS: dict[str, tuple[list[int], list[int]]] = {
+    "uniform": ([2, 2], [64, 64]),
+    "groups_removed": ([1, 1], [64, 64]),
+    "mlp_per_layer": ([2, 2], [64, 96]),
+    "kv_per_layer": ([1, 2], [96, 96]),
+    "attn_removed": ([2, 0], [96, 96]),
+    "mlp_removed": ([2, 2], [96, 0]),
+}
+
+
+def tiny_cut(family: str, feature: str, seed: int = 0, **overrides):
+    """A tiny model of `family` (2 layers, `tiny_config` with `overrides`) cut to show one shape feature."""
+    from prunelight.surgery import apply_plan
+
+    model = tiny_model(family, seed=seed, **{"num_hidden_layers": 2, **overrides})
+    apply_plan(model, sized_plan(model, *FEATURE_CUTS[feature]))
+    return model
 
 
 def sized_plan(model, keep_groups: list[int], keep_channels: list[int], scores=None):

@@ -9,11 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from prunelight import sources
+from prunelight import serving, sources
 from prunelight.run_plan import check_gguf_export
 from prunelight.errors import PrunelightError
-from prunelight.families import get_family
-from prunelight.gguf_export import GgufExportError, check_gguf_widths, write_gguf
+from prunelight.families import LayerShape, get_family
+from prunelight.gguf_export import (
+    ARCHS,
+    GgufExportError,
+    _llama_cpp_attention_scale,
+    check_gguf_config,
+    check_gguf_shapes,
+    check_gguf_widths,
+    gguf_layouts,
+    sliding_period,
+    write_gguf,
+)
 from prunelight.settings import ExportSettings, PruneSettings, SettingsError
 from prunelight.surgery import apply_plan
 from prunelight.testing import make_tiny_gguf, sized_plan, tiny_config, tiny_model
@@ -135,11 +145,17 @@ def test_block_size_refusals_from_the_config_alone():
         check_gguf_widths("q8_0", tiny_config("llama", hidden_size=48, head_dim=12), align_channels=32)
     with pytest.raises(ValueError, match="prune.reconstruct=bias"):
         check_gguf_export(PruneSettings(reconstruct="bias"), ExportSettings(gguf={"dtype": "f16"}).gguf, config)
-    with pytest.raises(GgufExportError, match="cannot write model_type 'qwen3'"):
+    # llama.cpp's qwen3 (and openelm) read no attn_output.bias; Qwen3 as published has none
+    with pytest.raises(GgufExportError, match=r"qwen3 model: llama.cpp's qwen3 architecture \(nor openelm\) cannot "
+                                              r"state an o_proj bias"):
         check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config("qwen3"))
-    check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config("qwen2"))
+    for family in ("qwen2", "gemma2", "gemma3_text", "phi3"):
+        check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf, tiny_config(family))
+    check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf,
+                      tiny_config("qwen3", attention_bias=False))
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    with pytest.raises(GgufExportError, match="rope scaling of type 'yarn' for llama") as err:
+    with pytest.raises(GgufExportError, match=r"llama.cpp's llama architecture \(nor deci\) cannot state rope scaling "
+                                              r"of type 'yarn'") as err:
         check_gguf_export(PruneSettings(), ExportSettings(gguf={"dtype": "f16"}).gguf,
                           tiny_config("llama", rope_scaling=yarn))
     assert "\n" not in str(err.value)
@@ -247,22 +263,30 @@ def test_llama3_rope_scaling_writes_rope_freqs(tiny, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_qwen2_is_llama_with_qkv_biases_uniform_and_deci_per_layer(tiny, tmp_path):
-    """Qwen2 is written as llama.cpp's llama (deci per layer): q/k/v biases, q/k rows and biases in llama.cpp's
-    interleaved rotary order (llama.cpp's qwen2 architecture needs all query heads: attn_q is hidden x hidden)."""
+def test_qwen2_is_qwen2_dense_llama_without_groups_and_deci_per_layer(tiny, tmp_path):
+    """Qwen2 keeping every query head is llama.cpp's own qwen2 (half-split rotary: rows as transformers has them);
+    with GQA groups removed it is llama (qwen2's attn_q is hidden x hidden), q/k rows and biases in llama.cpp's
+    interleaved rotary order; per-layer widths are deci."""
     source, _ = tiny
     tokenizer = sources.load_tokenizer(source)
     model = tiny_model("qwen2", vocab_size=262, tie_word_embeddings=True)
     reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer))
-    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["general.architecture"].contents() == "qwen2"
     assert "output.weight" not in tensors  # tied
-    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"  # llama.cpp splits text as Qwen2's tokenizer
+    # the pre-tokenizer is the tokenizer's (found as llama.cpp's converter finds it), not the family's
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
     bias = model.model.layers[0].self_attn.k_proj.bias.detach()
-    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, bias.reshape(2, 2, 8).transpose(1, 2).reshape(32).numpy())
-    v_bias = model.model.layers[0].self_attn.v_proj.bias.detach()
+    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, bias.numpy())
+    uniform = copy.deepcopy(model)
+    apply_plan(uniform, sized_plan(uniform, [1, 1], [64, 64]))
+    reader, tensors = read(write_gguf(uniform, tmp_path / "u.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    bias = uniform.model.layers[0].self_attn.k_proj.bias.detach()
+    assert np.array_equal(tensors["blk.0.attn_k.bias"].data, bias.reshape(1, 2, 8).transpose(1, 2).reshape(16).numpy())
+    v_bias = uniform.model.layers[0].self_attn.v_proj.bias.detach()
     assert np.array_equal(tensors["blk.0.attn_v.bias"].data, v_bias.numpy())  # v rows are not rotated
     with pytest.raises(PrunelightError, match="drops its q/k/v biases") as err:  # transformers reads llama unbiased
-        sources.load_config(sources.resolve_pretrained(str(tmp_path / "m.gguf")))
+        sources.load_config(sources.resolve_pretrained(str(tmp_path / "u.gguf")))
     assert "\n" not in str(err.value)
     cut = copy.deepcopy(model)
     apply_plan(cut, sized_plan(cut, [2, 1], [64, 32]))
@@ -270,3 +294,131 @@ def test_qwen2_is_llama_with_qkv_biases_uniform_and_deci_per_layer(tiny, tmp_pat
     assert reader.fields["general.architecture"].contents() == "deci"
     assert reader.fields["deci.attention.head_count_kv"].contents() == [2, 1]
     assert tensors["blk.1.attn_q.bias"].data.shape == (32,)
+
+
+# --- every family in its own llama.cpp architecture (what llama.cpp runs: tests/test_llama_cpp.py) -----------------
+def test_gemma3_keys_and_tensors_as_llama_cpps_converter_writes_them(tiny, tmp_path):
+    """Gemma 3: norms + 1 (Gemma's RMSNorm multiplies by 1 + weight), sandwich norms, q/k norms, the sliding-window
+    period as a scalar (the loader ignores an array there), the sliding layers' own rope base, the attention-scale
+    ratio query_pre_attn_scalar^-0.5 / head_dim^-0.5 folded into the q norm; no output.weight (tied)."""
+    source, _ = tiny
+    model = tiny_model("gemma3_text", vocab_size=262)
+    reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=sources.load_tokenizer(source)))
+    def field(key):
+        return reader.fields[f"gemma3.{key}"].contents()
+
+    assert reader.fields["general.architecture"].contents() == "gemma3"
+    assert (field("attention.sliding_window"), field("attention.sliding_window_pattern")) == (4, 2)
+    assert reader.fields["gemma3.attention.sliding_window_pattern"].types == [gguf.GGUFValueType.UINT32]
+    assert (field("rope.freq_base"), field("rope.freq_base_swa")) == (1e6, 1e4)
+    layer = model.model.layers[0]
+    for name, norm in (("attn_norm", layer.input_layernorm), ("post_attention_norm", layer.post_attention_layernorm),
+                       ("ffn_norm", layer.pre_feedforward_layernorm), ("post_ffw_norm", layer.post_feedforward_layernorm),
+                       ("attn_k_norm", layer.self_attn.k_norm)):
+        assert np.allclose(tensors[f"blk.0.{name}.weight"].data, norm.weight.detach().numpy() + 1), name
+    ratio = (24 ** -0.5) / (16 ** -0.5)
+    assert np.allclose(tensors["blk.0.attn_q_norm.weight"].data, (layer.self_attn.q_norm.weight.detach().numpy() + 1)
+                       * ratio, rtol=1e-6)
+    assert np.array_equal(tensors["blk.0.attn_q.weight"].data, layer.self_attn.q_proj.weight.detach().numpy())
+    assert "output.weight" not in tensors and "gemma3.final_logit_softcapping" not in reader.fields
+
+
+def test_gemma2_soft_caps_and_the_scale_folded_into_q(tiny, tmp_path):
+    source, _ = tiny
+    model = tiny_model("gemma2", vocab_size=262)
+    reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=sources.load_tokenizer(source)))
+    assert reader.fields["gemma2.attn_logit_softcapping"].contents() == 2.0
+    assert reader.fields["gemma2.final_logit_softcapping"].contents() == 3.0
+    q = model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+    assert np.allclose(tensors["blk.1.attn_q.weight"].data, q * (16 / 24) ** 0.5, rtol=1e-6)  # no q norm in Gemma 2
+    untied = tiny_config("gemma2", tie_word_embeddings=False)
+    with pytest.raises(GgufExportError, match="gemma2 architecture cannot state an LM head of its own"):
+        check_gguf_config(untied)
+
+
+def test_llama_cpp_attention_scale_rule_of_gemma_27b():
+    """llama.cpp's gemma2/gemma3 graphs scale by (hidden / layer 0's heads)^-0.5 at 46 / 62 layers (the 27B models),
+    else by head_dim^-0.5: the fold follows whatever the cut file states."""
+    config = tiny_config("gemma3_text")
+    facts = ARCHS["gemma3"]
+    shapes = [LayerShape(2, 1, 96)] * 62
+    assert _llama_cpp_attention_scale(facts, config, 16, shapes) == pytest.approx((64 // 2) ** -0.5)
+    assert _llama_cpp_attention_scale(facts, config, 16, shapes[:61]) == pytest.approx(16 ** -0.5)
+
+
+def test_sliding_period_after_layers_are_dropped():
+    assert sliding_period([True, False, True, False]) == 2
+    assert sliding_period([True] * 5 + [False]) == 6
+    assert sliding_period([False, False]) == 1
+    assert sliding_period([True, True, False, True, False]) is None  # a layer of a period-2 model dropped
+    config = tiny_config("gemma3_text", num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"])
+    check_gguf_config(config)
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    config.num_hidden_layers = 4
+    with pytest.raises(GgufExportError, match="cannot state these sliding-window layers") as err:
+        check_gguf_config(config)
+    assert "\n" not in str(err.value)
+
+
+def test_phi3_fused_in_phi3_and_split_for_llama_layers(tiny, tmp_path):
+    """Phi-3 keeping every query head is phi3 (fused attn_qkv / ffn_up = gate then up, partial rotary dims); with
+    groups removed, full rotary, it is llama with the projections split; partial rotary cannot go there."""
+    source, _ = tiny
+    tokenizer = sources.load_tokenizer(source)
+    model = tiny_model("phi3", vocab_size=262)
+    apply_plan(model, sized_plan(model, [2, 2], [64, 64]))
+    reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "phi3"
+    assert reader.fields["phi3.rope.dimension_count"].contents() == 8  # partial_rotary_factor 0.5 of head_dim 16
+    assert tensors["blk.0.attn_qkv.weight"].data.shape == (128, 64) and tensors["blk.0.ffn_up.weight"].data.shape == (
+        128, 64)
+    full = tiny_model("phi3", vocab_size=262, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    apply_plan(full, sized_plan(full, [1, 1], [64, 64]))
+    reader, tensors = read(write_gguf(full, tmp_path / "f.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    gate_up = full.model.layers[0].mlp.gate_up_proj.weight.detach()
+    assert np.array_equal(tensors["blk.0.ffn_gate.weight"].data, gate_up[:64].numpy())
+    assert np.array_equal(tensors["blk.0.ffn_up.weight"].data, gate_up[64:].numpy())
+    assert tensors["blk.0.attn_k.weight"].data.shape == (16, 64)
+    cut = copy.deepcopy(model)
+    apply_plan(cut, sized_plan(cut, [1, 2], [64, 64]))
+    with pytest.raises(GgufExportError, match=r"phi3 cut: llama.cpp's phi3 architecture cannot state groups_removed, "
+                                              r"kv_per_layer .*llama cannot state partial rotary embeddings"):
+        write_gguf(cut, tmp_path / "c.gguf", "f32", tokenizer=tokenizer)
+
+
+def test_qwen3_per_layer_is_openelm_when_tied(tiny, tmp_path):
+    """llama.cpp's qwen3 sizes every layer from layer 0; openelm reads per-layer widths with the same layers (q/k
+    norms, SiLU MLP, half-split rotary) and fused attn_qkv, but its head is the token embedding: tied only."""
+    source, _ = tiny
+    tokenizer = sources.load_tokenizer(source)
+    model = tiny_model("qwen3", vocab_size=262, attention_bias=False, tie_word_embeddings=True)
+    apply_plan(model, sized_plan(model, [1, 2], [64, 96]))
+    reader, tensors = read(write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer))
+    assert reader.fields["general.architecture"].contents() == "openelm"
+    assert reader.fields["openelm.attention.head_count_kv"].contents() == [1, 2]
+    assert reader.fields["openelm.feed_forward_length"].contents() == [64, 96]
+    assert tensors["blk.0.attn_qkv.weight"].data.shape == (64, 64)  # (2 + 2 * 1) heads x 16
+    untied = tiny_model("qwen3", vocab_size=262, attention_bias=False)
+    apply_plan(untied, sized_plan(untied, [1, 2], [64, 96]))
+    with pytest.raises(GgufExportError, match=r"qwen3 cut: llama.cpp's qwen3 architecture cannot state kv_per_layer, "
+                                              r"mlp_per_layer .*openelm cannot state an LM head of its own") as err:
+        write_gguf(untied, tmp_path / "u.gguf", "f32", tokenizer=tokenizer)
+    assert "\n" not in str(err.value)
+
+
+def test_config_level_checks_agree_with_the_engine_table():
+    """`gguf_layouts(config)` (what the run plan asks before the cut) says each llama.cpp cell of the measured table:
+    a `runs` cell's feature is stated by the architecture it names, a `refused` one by none; and `check_gguf_shapes`
+    refuses exactly the refused ones, in one line naming the family."""
+    for family, feature, cell in serving.cells("llama.cpp"):
+        config = tiny_config(family, **dict(cell.config))
+        layouts = gguf_layouts(config)
+        if cell.status == serving.RUNS:
+            assert feature in layouts[cell.via.removeprefix("gguf ")], (family, feature)
+            check_gguf_shapes(config, {feature})
+        else:
+            assert not any(feature in states for states in layouts.values()), (family, feature)
+            with pytest.raises(GgufExportError, match=f"cannot write a {family} cut with {feature}") as err:
+                check_gguf_shapes(config, {feature})
+            assert "\n" not in str(err.value)

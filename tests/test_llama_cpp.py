@@ -6,18 +6,30 @@ the folder `npm install --prefix DIR node-llama-cpp@3.21.1` filled; `.ci/run` in
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from prunelight import sources
-from prunelight.llama_cpp import engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp
+from prunelight import serving, gguf_export, sources
+from prunelight.families import get_family
 from prunelight.gguf_export import write_gguf
+from prunelight.llama_cpp import ENV, engine_missing, greedy_agreement, hf_greedy, hf_perplexity, run_llama_cpp
 from prunelight.surgery import apply_plan
-from prunelight.testing import make_tiny_gguf, sized_plan, tiny_model
+from prunelight.testing import (
+    make_tiny_gguf,
+    shared_dir,
+    sized_plan,
+    tiny_cut,
+    tiny_model,
+    tiny_sentencepiece_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(engine_missing() is not None, reason=str(engine_missing()))]
@@ -103,6 +115,164 @@ def test_qwen2_in_llama_cpp(tmp_path, tied, plan):
             if name.endswith("bias"):
                 p.zero_()
     assert hf_greedy(model, prompts, 8) != got["greedy"]
+
+
+@torch.no_grad()
+def argmax_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations by the argmax of transformers' logits (generate() would hold EOS back before
+    min_new_tokens, which llama.cpp does not)."""
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(prompt):])
+    return out
+
+
+def f16_rounded(model):
+    """A copy of `model` whose matrices went through float16, as a F16 GGUF holds them (vectors stay float32)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+    return rounded
+
+
+RUNS_CELLS = [(family, feature, dict(cell.config)) for family, feature, cell in serving.cells("llama.cpp", serving.RUNS)]
+
+
+@pytest.mark.parametrize("family,feature,config", RUNS_CELLS, ids=[f"{f}-{x}" for f, x, _ in RUNS_CELLS])
+def test_every_runs_cell_of_the_engine_table_in_llama_cpp(tmp_path, family, feature, config):
+    """Each llama.cpp cell of prunelight.serving.SERVING that says `runs`: a tiny model of the family cut with that
+    shape feature, written in the architecture the cell names, gives transformers' greedy tokens (F32: equal; F16:
+    equal to transformers on the F16 weights up to near ties) and perplexity (F32 within 0.2%, F16 within 1%).
+
+    F32 is not bit-exact: llama.cpp keeps its KV cache in F16 by default, which moves this sharp model's perplexity by
+    up to ~1e-3 (transformers float32 against float64: 1e-6)."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    # initializer_range 0.2: peaked attention and next-token distributions, so a wrong rotary order, norm offset or
+    # attention scale changes the argmax (the 0.02 default leaves the tiny model close to uniform)
+    model = tiny_cut(family, feature, vocab_size=262, max_position_embeddings=128, initializer_range=0.2, **config)
+    shapes = get_family(model).layer_shapes(model)
+    assert feature in serving.shape_features(get_family(model).base_shape(model.config), shapes)
+    arch = gguf_export.gguf_layout(model, shapes).arch
+    assert f"gguf {arch}" == serving.SERVING[family]["llama.cpp"][feature].via
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    ppl = hf_perplexity(model, windows)
+    for dtype, tolerance in (("f32", 2e-3), ("f16", 0.01)):
+        out = write_gguf(model, tmp_path / f"m.{dtype}.gguf", dtype, tokenizer=tokenizer)
+        got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                             "perplexity": {"windows": windows}})
+        same = model if dtype == "f32" else f16_rounded(model)
+        want = argmax_greedy(same, prompts, 8)
+        if dtype == "f32":
+            assert got["greedy"] == want
+        else:
+            agree = greedy_agreement(same, prompts, got["greedy"], want)
+            assert agree["equal_up_to_near_ties"], agree
+        assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=tolerance), dtype
+
+
+@pytest.mark.parametrize("family,config", [("llama", {}), ("mistral", {}), ("qwen2", {}),
+                                           ("qwen3", {"attention_bias": False, "tie_word_embeddings": True})])
+def test_default_cut_of_a_tiny_model_in_llama_cpp(tmp_path, family, config):
+    """prunelight's default cut (`prunelight.prune` with default settings at 20%: the search allocation, per-layer MLP
+    widths) of a 4-layer tiny model, written as F16 GGUF (deci; openelm for tied Qwen3): llama.cpp's greedy tokens are
+    transformers' on the F16 weights up to near ties, perplexity within 1%. (Gemma 3's per-layer cut has no llama.cpp
+    architecture: the run plan keeps its shapes uniform when export.gguf is asked for.)"""
+    import prunelight
+
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    model = tiny_model(family, vocab_size=262, max_position_embeddings=128, initializer_range=0.2,
+                       num_hidden_layers=4, **config)
+    calibration = torch.randint(3, 262, (8, 32), generator=torch.Generator().manual_seed(0))
+    model, _plan = prunelight.prune(model, {"ratio": 0.2}, calibration=calibration)
+    fam = get_family(model)
+    assert serving.MLP_PER_LAYER in serving.shape_features(fam.base_shape(model.config), fam.layer_shapes(model))
+    out = write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                         "perplexity": {"windows": windows}})
+    same = f16_rounded(model)
+    agree = greedy_agreement(same, prompts, got["greedy"], argmax_greedy(same, prompts, 8))
+    assert agree["equal_up_to_near_ties"], agree
+    assert got["perplexity"]["ppl"] == pytest.approx(hf_perplexity(model, windows), rel=0.01)
+
+
+def test_gemma3_linear_rope_scaling_of_full_layers_in_llama_cpp(tmp_path):
+    """Gemma 3's full-attention layers scale their rotary linearly (factor 8 in 4B-27B), its sliding layers do not:
+    `rope.scaling.type linear` + factor, and llama.cpp leaves the sliding layers (rope.freq_base_swa) unscaled. The
+    file's perplexity is transformers' (measured 7e-5) and not the unscaled model's (2.7e-3 away)."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    common = {"vocab_size": 262, "max_position_embeddings": 128, "initializer_range": 0.2}
+    model = tiny_cut("gemma3_text", "groups_removed", rope_parameters=rope, **common)
+    plain = tiny_cut("gemma3_text", "groups_removed", **common)  # the same weights (seed), unscaled
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    out = write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
+    got = run_llama_cpp({"model": str(out), "threads": 1, "greedy": {"prompts": prompts, "new_tokens": 8},
+                         "perplexity": {"windows": windows}})
+    assert got["greedy"] == argmax_greedy(model, prompts, 8)
+    ppl = hf_perplexity(model, windows)
+    assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=5e-4)
+    assert abs(hf_perplexity(plain, windows) / ppl - 1) > 2e-3
+
+
+# node-llama-cpp's own tokenizer on text (the GGUF's vocabulary, merges and pre-tokenizer), no special tokens added
+_TOKENIZE = """
+import {createRequire} from "node:module"; import path from "node:path"; import {pathToFileURL} from "node:url";
+import {readFileSync} from "node:fs";
+const require = createRequire(path.join(process.env.PRUNELIGHT_LLAMA_NODE, "package.json"));
+const {getLlama, LlamaLogLevel} = await import(pathToFileURL(require.resolve("node-llama-cpp")).href);
+const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error});
+const model = await llama.loadModel({modelPath: process.argv[2], vocabOnly: true});
+const texts = JSON.parse(readFileSync(process.argv[3], "utf8"));
+console.log(JSON.stringify(texts.map((t) => Array.from(model.tokenize(t, false)))));
+await model.dispose(); await llama.dispose();
+"""
+TEXTS = ["Hello world, it's 2026!  Two spaces,\ttabs and\nnew lines.", "The quick brown fox jumps over the lazy dog.",
+         "the quick brown fox , a model that is pruned must still speak . déjà vu   then groups overthrown thereon",
+         "We've been 'told' he'll come: 3.14 apples, 1000000 pears... OK?", "  leading spaces and trailing   ",
+         "don't DON'T I'M you're"]
+
+
+def llama_cpp_tokens(gguf_path: Path, texts: list[str], tmp_path: Path) -> list[list[int]]:
+    """The token ids llama.cpp's tokenizer gives each text (no BOS / special tokens)."""
+    script, request = tmp_path / "tokenize.mjs", tmp_path / "texts.json"
+    script.write_text(_TOKENIZE)
+    request.write_text(json.dumps(texts))
+    proc = subprocess.run(["node", str(script), str(gguf_path), str(request)], check=False, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, ENV: os.environ[ENV]})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_llama_cpp_tokenizes_text_as_the_transformers_tokenizer(tmp_path):
+    """The tokenizer keys written from a Hugging Face tokenizer make llama.cpp split text into transformers' tokens:
+    byte-level BPE (vocabulary, merges, the pre-tokenizer found as llama.cpp's converter finds it: the tiny GGUF's
+    tokenizer, and the reference model's trained 4096-token one when ../shared has it) and SentencePiece-style BPE
+    with byte fallback (scores from the merge order; with and without the space prefix, Llama 2's and Gemma's)."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizers = {"tiny": sources.load_tokenizer(sources.resolve_pretrained(str(path))),
+                  "spm": tiny_sentencepiece_tokenizer(), "spm_gemma": tiny_sentencepiece_tokenizer(space_prefix=False)}
+    shared = shared_dir()
+    if shared is not None and (shared / "models" / "ref-llama-gqa" / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizers["ref-llama-gqa"] = AutoTokenizer.from_pretrained(shared / "models" / "ref-llama-gqa")
+    for name, tokenizer in tokenizers.items():
+        for family in ("llama", "qwen3", "gemma3_text"):
+            overrides = {"attention_bias": False} if family == "qwen3" else {}
+            model = tiny_model(family, vocab_size=len(tokenizer), **overrides)
+            out = write_gguf(model, tmp_path / f"{name}.{family}.gguf", "f32", tokenizer=tokenizer)
+            want = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+            assert llama_cpp_tokens(out, TEXTS, tmp_path) == want, (name, family)
 
 
 @pytest.mark.slow

@@ -61,7 +61,13 @@ def test_engines_verified_states_what_the_serving_check_ran(family):
     assert engines[0].startswith(f"vLLM 0.32.0 ({fam.model_class.__name__}: greedy output equal to transformers'")
     assert engines[-1] == "transformers (plain, no trust_remote_code)"
     assert ("attention_bias" in engines[0]) == (family == "qwen3")  # the one difference found: vLLM's Qwen3 o_proj
-    pruned = fam.pruned_config_class(layer_shapes=[{}], architectures=[fam.pruned_model_class.__name__])
+    # The prunelight type: vLLM's Transformers backend (per_layer_config), unless a layer lost its attention
+    shapes = [{"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}] * 2
+    pruned = fam.pruned_config_class(layer_shapes=shapes, architectures=[fam.pruned_model_class.__name__])
+    served = engines_verified(pruned)
+    assert served[0].startswith(f"vLLM 0.32.0 ({fam.pruned_model_class.__name__}; its Transformers backend")
+    assert served[-1] == "transformers (prunelight imported, or trust_remote_code)"
+    pruned.layer_shapes = [shapes[0], {**shapes[0], "num_attention_heads": 0, "num_key_value_heads": 0}]
     assert engines_verified(pruned) == ["transformers (prunelight imported, or trust_remote_code)"]
     assert not any(e in " ".join(engines) for e in ("llama.cpp", "TGI", "TensorRT"))
 

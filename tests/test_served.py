@@ -19,14 +19,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from prunelight import serving
+from prunelight import run_plan
 from prunelight.allocation import Shape, allocate, precheck
 from prunelight.allocation.served import candidates
-from prunelight.run_plan import prepare_run
 from prunelight.export import NasExportError, export_config, export_pretrained, format_of
 from prunelight.plan import LayerPlan, PrunePlan
+from prunelight.run_plan import prepare_run
 from prunelight.settings import ExportSettings, SettingsError
 from prunelight.surgery import apply_plan, mask_units
-from prunelight.testing import settings_of, tiny_model
+from prunelight.testing import settings_of, tiny_cut, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[5, 9, 17, 33, 2, 64, 100, 7], [1, 3, 90, 12, 12, 40, 8, 77]])
@@ -208,6 +210,92 @@ def _serve_check():
     sys.modules["serve_check"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+# Many folders in one vLLM process (its import is most of a short run's time): each folder's greedy tokens and
+# log-probabilities, or the one-line error vLLM raised on it.
+_VLLM_MANY = """
+import gc, json, os, sys
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+specs, out = json.load(open(sys.argv[1])), []
+for spec in specs:
+    try:
+        llm = LLM(model=spec["folder"], dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+                  trust_remote_code=spec["trust_remote_code"], skip_tokenizer_init=True)
+        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+        out.append({"architecture": llm.llm_engine.model_config.architectures, "outputs": [
+            {"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+            for o in got]})
+        del llm
+        gc.collect()
+    except Exception as err:  # one folder's refusal is its result
+        out.append({"error": f"{type(err).__name__}: {err}"[:500]})
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def serve_many(exe: str, folders: list[Path], prompts: list[list[int]], max_tokens: int, tmp_path: Path) -> list[dict]:
+    """vLLM's greedy output (or its error) for each folder, all in one vLLM process (engine in-process)."""
+    import subprocess
+
+    script, specs, out = tmp_path / "many.py", tmp_path / "specs.json", tmp_path / "out.json"
+    script.write_text(_VLLM_MANY)
+    specs.write_text(json.dumps([{"folder": str(f), "prompts": prompts, "max_tokens": max_tokens,
+                                  "trust_remote_code": bool(json.loads((f / "config.json").read_text()).get("auto_map"))}
+                                 for f in folders]))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    proc = subprocess.run([exe, str(script), str(specs), str(out)], check=False, env=env, capture_output=True,
+                          text=True, timeout=3600)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@torch.no_grad()
+def argmax_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """transformers' greedy tokens (argmax, full recompute per step) and their log-probabilities."""
+    out = []
+    for prompt in prompts:
+        ids, toks, lps = list(prompt), [], []
+        for _ in range(new_tokens):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            toks.append(int(logp.argmax()))
+            lps.append(float(logp.max()))
+            ids.append(toks[-1])
+        out.append({"tokens": toks, "logprobs": lps})
+    return out
+
+
+VLLM_CELLS = serving.cells("vllm")
+
+
+@pytest.mark.vllm
+def test_every_vllm_cell_of_the_engine_table(tmp_path):
+    """Each vLLM cell of prunelight.serving.SERVING, as measured: a tiny model of the family cut with that shape feature
+    and exported in the cell's format is served with transformers' greedy tokens (log-probabilities within 1e-4)
+    where the cell says `runs`, and refused where it says `refused`; the layout checks agree with every cell."""
+    exe = _vllm_python()
+    prompts = [[5, 9, 17, 33, 2, 64], [1, 3, 90, 12, 12, 40, 8, 77], [100, 101, 102, 7]]
+    folders, want = [], []
+    for family, feature, cell in VLLM_CELLS:
+        # head_dim 32: a size vLLM's CPU attention kernels take (16 is refused); 0.2: peaked outputs, no near ties
+        model = tiny_cut(family, feature, head_dim=32, initializer_range=0.2, **dict(cell.config))
+        layouts = run_plan.engine_layouts(model.config, "vllm")
+        assert (feature in layouts.get(cell.via, ())) == (cell.status == serving.RUNS), (family, feature)
+        folders.append(export_pretrained(model, tmp_path / f"{family}.{feature}", format=cell.via))
+        want.append(argmax_greedy(model, prompts, 8))
+    results = serve_many(exe, folders, prompts, 8, tmp_path)
+    for (family, feature, cell), ref, got in zip(VLLM_CELLS, want, results):
+        if cell.status == serving.REFUSED:
+            assert "error" in got, (family, feature)
+            continue
+        assert "error" not in got, (family, feature, got)
+        assert [o["tokens"] for o in got["outputs"]] == [r["tokens"] for r in ref], (family, feature)
+        diff = max(abs(a - b) for o, r in zip(got["outputs"], ref) for a, b in zip(o["logprobs"], r["logprobs"]))
+        assert diff < 1e-4, (family, feature, diff)
 
 
 @pytest.mark.vllm
