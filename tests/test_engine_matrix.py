@@ -25,8 +25,6 @@ def test_every_family_engine_and_feature_is_measured():
         for engine, cells in row.items():
             assert set(cells) == set(serving.FEATURES), (family, engine)
             assert all(c.status in (serving.RUNS, serving.REFUSED, serving.WRONG) for c in cells.values())
-        # what export.engines_verified claims for a format is what the table measured
-        assert MODEL_FAMILIES[family].vllm_served == serving.served_formats(family, "vllm")
     assert serving.served_formats("qwen3", "llama.cpp") == ("gguf qwen3", "gguf openelm")
 
 
