@@ -21,7 +21,6 @@ tuning), and the fit's wall time. Run alone (one process on the machine), as tim
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -139,7 +138,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the cells not in the results yet (`--resume`), writing the tables after each."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = bench.parser(__doc__, __file__)
     p.add_argument("--config", default="configs/smollm2.yaml")
     p.add_argument("--out", required=True, help="a folder for the runs (one subfolder and log each)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2])

@@ -76,8 +76,8 @@ def prune(model: nn.Module, settings: PruneSettings | dict[str, Any] | None = No
     s = as_settings(settings)
     batches = as_batches(calibration)
     shape = _shape(export_format)
-    run = prepare_run(s, shape, run=RunFacts(has_calibration=bool(batches), has_scores=scores is not None),
-                      model=model)
+    run = prepare_run(s, shape, run=RunFacts(has_calibration=bool(batches), has_scores=scores is not None,
+                                             export_format=export_format), model=model)
     return model, run_cut(model, batches, run, scores=scores).plan
 
 

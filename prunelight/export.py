@@ -252,7 +252,7 @@ def export_config(model: nn.Module, format: str = "auto"):
     o_proj/down_proj gained biases (`output_bias`, reconstruction) always gets the prunelight type: the stock
     config can state an o_proj bias only together with q/k/v biases.
     """
-    if format not in (*EXPORT_FORMATS, "prunelight"):
+    if format not in EXPORT_FORMATS:
         raise ValueError(f"export.format={format!r} is not allowed: use one of {', '.join(EXPORT_FORMATS)}")
     if format == "stock":
         return stock_config(model)

@@ -16,6 +16,7 @@ allowed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,8 @@ from prunelight.saved import SavedScores, read_saved_inputs
 from prunelight.settings import GgufSettings, PruneSettings
 from prunelight.zero3 import meta_model
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -49,6 +52,7 @@ class RunFacts:
     distillation: Any = None  # model.distillation (DistillationSettings), or None
     teacher_config: Any = None  # the config of model.distillation.teacher, when one is named
     gguf: GgufSettings | None = None  # export.gguf: the GGUF file the run will also write, or None
+    export_format: str | None = None  # export.format (None: not known, e.g. scoring alone)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
     check_widths(settings, config)
     if run is not None:
         check_gguf_export(settings, run.gguf, config)
+        if run.export_format is not None and not settings.plan:
+            settings, shape = serving_constraint(settings, shape, config, run.export_format, run.gguf)
+            check_shape(settings, shape)  # the allocation honours the shape the targets serve
     saved_plan, saved_scores = read_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
     twin = model if model is not None else meta_model(config)
     if run is not None and run.deepspeed:
@@ -229,3 +236,61 @@ def check_servable(config, engine: str, features) -> None:
         check_vllm_shapes(config, features)
     else:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(serving.ENGINES)}")
+
+
+def serving_constraint(settings: PruneSettings, shape: Shape, config, export_format: str,
+                       gguf: GgufSettings | None) -> tuple[PruneSettings, Shape]:
+    """The shapes the export's targets serve for this model, as the cut's constraint (one line saying which engines
+    will load the result): with `export.gguf` the richest llama.cpp layout; with `auto` the richest layout of any
+    engine (`serving.SERVING`, read for this config by `engine_layouts`); `stock` / `nemotron_nas` keep their own
+    shape; `prunelight` none. Per-layer widths a target cannot state make the cut one shape in every layer; a removed
+    GQA group it cannot state keeps attention whole; a removed sub-block it cannot state is refused in one line."""
+    family = get_family(config).name
+    if export_format == "prunelight" and gguf is None:
+        log.info("export.format=prunelight: per-layer shapes, no engine's constraint; %s", _loaders(config, None))
+        return settings, shape
+    options = {("llama.cpp", arch): states for arch, states in engine_layouts(config, "llama.cpp").items()}
+    if gguf is None:
+        options.update({("vllm", fmt): states for fmt, states in engine_layouts(config, "vllm").items()})
+    if shape is not Shape.FREE:  # stock / nemotron_nas: the format's own shape, within what the GGUF states
+        fixed = _SHAPE_FEATURES[shape]
+        options = {k: fixed & v for k, v in options.items()} if gguf is not None else {("format", export_format): fixed}
+    if not options:
+        return settings, shape  # nothing serves this model: the export's own refusals say so
+    (engine, via), allowed = max(options.items(), key=lambda kv: (len(kv[1]), kv[0][0] == "llama.cpp"))
+    target = "export.gguf" if gguf is not None else f"export.format={export_format}"
+    for feature, option in ((serving.ATTN_REMOVED, "min_groups"), (serving.MLP_REMOVED, "min_channels")):
+        if feature not in allowed and getattr(settings, option) == 0:
+            raise ValueError(f"prune.{option}=0 is not allowed with {target}: it lets a layer lose a whole sub-block "
+                             f"({feature}), which no engine the export targets serves for {family}; use "
+                             f"prune.{option}: 1, or export.format: prunelight (transformers with trust_remote_code)")
+    if not allowed & {serving.MLP_PER_LAYER, serving.KV_PER_LAYER} and shape is Shape.FREE:
+        shape = Shape.UNIFORM
+        log.info("%s for %s: %s %s states one shape in every layer, so the cut keeps one", target, family, engine, via)
+    if serving.GROUPS_REMOVED not in allowed:
+        keep = get_family(config).base_shape(config).num_key_value_heads
+        if settings.min_groups < keep:
+            log.info("%s for %s: %s %s states no removed GQA group, so the cut takes MLP channels only "
+                     "(prune.min_groups=%d)", target, family, engine, via, keep)
+            settings = replace(settings, min_groups=keep)
+    if shape is Shape.FREE:
+        log.info("%s for %s: the cut keeps the shapes %s serves (%s: %s); %s", target, family, engine, via,
+                 ", ".join(sorted(allowed)), _loaders(config, allowed))
+    return settings, shape
+
+
+# A shape constraint's features (what its cuts may hold), to meet a target's.
+_SHAPE_FEATURES = {Shape.UNIFORM: frozenset({serving.UNIFORM, serving.GROUPS_REMOVED}),
+                   Shape.SERVED: frozenset({serving.UNIFORM, serving.GROUPS_REMOVED, serving.MLP_PER_LAYER,
+                                            serving.ATTN_REMOVED, serving.MLP_REMOVED})}
+
+
+def _loaders(config, features: frozenset[str] | None) -> str:
+    """Which engines load a cut with up to these features (all of the family's per-layer ones when None)."""
+    names = []
+    for engine in serving.ENGINES:
+        for via, states in engine_layouts(config, engine).items():
+            if (features is None and serving.MLP_PER_LAYER in states) or (features is not None and features <= states):
+                names.append(f"{engine} ({via})")
+                break
+    return "engines that load it: " + (", ".join(names) if names else "none; transformers with trust_remote_code")

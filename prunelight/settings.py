@@ -402,9 +402,10 @@ class ExportSettings:
     figures: bool = True
     """Write the report's PNG figures."""
     format: ExportFormat = "auto"
-    """Model folder type. auto: a stock config when every layer has one shape, else the Nemotron-NAS layout when it
-    states the shapes, else the prunelight type (per-layer widths; transformers loads it with trust_remote_code,
-    serving engines do not). stock: the cut keeps one shape in every layer (MLP-only pruning allowed, whole layers
+    """Model folder type. auto: the cut keeps the richest shapes some engine serves for the family (docs/serving.md;
+    the run says which engines will load it) and the folder is a stock config when every layer has one shape, else
+    the Nemotron-NAS layout when it states the shapes, else the prunelight type. prunelight: per-layer shapes with no
+    engine's constraint (vLLM's Transformers backend serves most; transformers loads it with trust_remote_code). stock: the cut keeps one shape in every layer (MLP-only pruning allowed, whole layers
     may go) and the folder is the family's stock config (every supported family; vLLM serves each in the serving
     check: README, "Deployable export"). nemotron_nas: the cut keeps MLP widths free per layer and one GQA group count in
     every layer that keeps attention, and the folder is the Nemotron-NAS layout vLLM serves as DeciLMForCausalLM

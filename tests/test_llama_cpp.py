@@ -310,3 +310,46 @@ def test_smollm2_cut_with_gqa_and_noop_sub_blocks_in_llama_cpp(tmp_path):
             assert agree["equal_up_to_near_ties"], agree
         assert got["perplexity"]["ppl"] == pytest.approx(ppl, rel=tolerance)
         path.unlink()
+
+
+@pytest.mark.parametrize("family,config", [("gemma3_text", {}), ("qwen3", {"attention_bias": False})])
+def test_the_default_fit_of_a_family_with_uniform_gguf_layers_runs_in_llama_cpp(tmp_path, monkeypatch, caplog, family,
+                                                                                 config):
+    """The default path of a Gemma 3 or Qwen3 user: `prunelight fit` with the default allocation (search) and
+    `--export.gguf.dtype f16` on a tiny model. llama.cpp's gemma3 / qwen3 architectures size every layer from layer
+    0's widths, so the run plan keeps one shape in every layer (said in one line, before any weights load); the GGUF
+    is written in the family's own architecture and llama.cpp's greedy tokens are transformers' on the exported
+    folder's F16 weights (up to near ties), perplexity within 1%."""
+    import gguf
+
+    from prunelight.cli import cli_main
+    from prunelight.testing import tiny_fit_args, write_tiny_corpus
+
+    model, tokenizer = tiny_with_tokenizer(tmp_path, family, num_hidden_layers=4, initializer_range=0.2, **config)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    files = write_tiny_corpus(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO", logger="prunelight"):
+        cli_main(tiny_fit_args(ckpt, files, "--prune.allocation=search", "--prune.criterion=flap",
+                               "--model.recovery=none", "--trainer.max_steps=1", "--export.gguf.dtype=f16",
+                               "--export.figures=false", "--trainer.enable_progress_bar=false",
+                               "--export.out_dir=runs/g"))
+    assert "states one shape in every layer, so the cut keeps one" in caplog.text
+    out = tmp_path / "runs" / "g"
+    arch = {"gemma3_text": "gemma3", "qwen3": "qwen3"}[family]
+    reader = gguf.GGUFReader(str(out / "model.F16.gguf"))
+    field = reader.fields["general.architecture"]
+    assert bytes(field.parts[field.data[0]]).decode() == arch
+    exported = sources.load_model(sources.resolve_pretrained(str(out / "model")), dtype=torch.float32).eval()
+    fam = get_family(exported)
+    assert serving.shape_features(fam.base_shape(model.config), fam.layer_shapes(exported)) & serving.PER_LAYER == set()
+    assert sum(p.numel() for p in exported.parameters()) < sum(p.numel() for p in model.parameters())
+    prompts, windows = [[5, 70, 200, 9], [100, 101, 102, 103, 104, 7]], [list(range(3, 120))]
+    got = run_llama_cpp({"model": str(out / "model.F16.gguf"), "threads": 1,
+                         "greedy": {"prompts": prompts, "new_tokens": 8}, "perplexity": {"windows": windows}})
+    same = f16_rounded(exported)
+    agree = greedy_agreement(same, prompts, got["greedy"], argmax_greedy(same, prompts, 8))
+    assert agree["equal_up_to_near_ties"], agree
+    assert got["perplexity"]["ppl"] == pytest.approx(hf_perplexity(exported, windows), rel=0.01)

@@ -77,7 +77,8 @@ SHAPES: dict[Shape, ShapeRule] = {
 }
 
 # export.format -> the shape constraint of the cut (export.py writes the folder; allocation honours the shape).
-EXPORT_SHAPES: dict[str, Shape] = {"auto": Shape.FREE, "stock": Shape.UNIFORM, "nemotron_nas": Shape.SERVED}
+EXPORT_SHAPES: dict[str, Shape] = {"auto": Shape.FREE, "stock": Shape.UNIFORM, "nemotron_nas": Shape.SERVED,
+                                    "prunelight": Shape.FREE}
 
 
 def shape_of_format(export_format: str) -> Shape:

@@ -212,4 +212,5 @@ def run_facts(trainer: L.Trainer, pl_module, export: ExportSettings | None = Non
                     world_size=trainer.world_size, num_samples=getattr(dm, "num_samples", None),
                     distillation=getattr(pl_module, "distillation", None),
                     teacher_config=teacher() if callable(teacher) else None,
-                    gguf=export.gguf if export is not None else None)
+                    gguf=export.gguf if export is not None else None,
+                    export_format=export.format if export is not None else None)
