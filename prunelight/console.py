@@ -37,11 +37,24 @@ def progress(iterable: Iterable | None = None, desc: str = "", total: int | None
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes each line to `sys.stderr` as it is then (the command run again in one process, e.g. under a test's
+    capture, must not write to a stream an earlier run was given)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Send prunelight's log lines to stderr (called by the command line, never at import)."""
     if any(getattr(h, "_prunelight", False) for h in log.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("[prunelight] %(message)s"))
     handler._prunelight = True  # type: ignore[attr-defined]
     log.addHandler(handler)

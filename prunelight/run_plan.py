@@ -88,7 +88,9 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
     if model is not None:
         config = unwrap(model).config
     row = allocation_of(settings.allocation)
-    check_shape(settings, shape)
+    if config is not None and run is not None and run.export_format is not None and not settings.plan:
+        settings, shape = serving_constraint(settings, shape, config, run.export_format, run.gguf)
+    check_shape(settings, shape)  # the allocation honours the shape (the one the export's targets serve)
     if run is not None:
         check_facts(settings, row, run)
     if config is None:
@@ -98,9 +100,6 @@ def prepare_run(settings: PruneSettings, shape: Shape = Shape.FREE, config=None,
     check_widths(settings, config)
     if run is not None:
         check_gguf_export(settings, run.gguf, config)
-        if run.export_format is not None and not settings.plan:
-            settings, shape = serving_constraint(settings, shape, config, run.export_format, run.gguf)
-            check_shape(settings, shape)  # the allocation honours the shape the targets serve
     saved_plan, saved_scores = read_saved_inputs(settings, config)  # prune.plan / prune.scores fit the model
     twin = model if model is not None else meta_model(config)
     if run is not None and run.deepspeed:

@@ -165,8 +165,8 @@ def _bad_inputs(tmp: Path, ckpt: Path, files: dict) -> dict[str, tuple[list[str]
         "min_channels above the width": (["--prune.min_channels=1000"], "prune.min_channels=1000 is not allowed: the "
                                          "model's layers have 96 MLP channels", {}),
         "zero alignment": (["--prune.align_channels=0"], "prune.align_channels=0 is not allowed", {}),
-        "bad rate range": (["--prune.layerwise.rate_range=[0.5,0.2]"], "prune.layerwise.rate_range=[0.5, 0.2] is "
-                           "not allowed", {}),
+        "bad rate range": (["--prune.allocation=layerwise", '--prune.allocation_args={"rate_range": [0.5, 0.2]}'],
+                           "prune.allocation_args.rate_range=[0.5, 0.2] is not allowed", {}),
         "bad criterion_args": (["--prune.criterion_args={p: 3}"], "prune.criterion_args={'p': 3} is not allowed", {}),
         "more units than exist": (["--prune.ratio=0.95"], "prune.ratio=0.95 asks to remove", {}),
         "prune_step past max_steps": (["--prune.prune_step=500"], "prune.prune_step=500 is not allowed: the run stops "

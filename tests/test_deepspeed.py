@@ -164,7 +164,7 @@ def test_the_run_plan_refuses_options_that_write_partitioned_weights():
                     config=config, run=zero3_run)
     with pytest.raises(ValueError, match="ZeRO-3.*allocation=search.*prune.allocation: global needs no masked"):
         prepare_run(PruneSettings(ratio=0.3, criterion="magnitude", reconstruct="none"), run=zero3_run)  # default
-    with pytest.raises(ValueError, match=r"ZeRO-3 partitioned weights: prune.block_importance=removal;"):
+    with pytest.raises(ValueError, match=r"ZeRO-3 partitioned weights: prune.allocation_args.block_importance=removal;"):
         prepare_run(settings_of(0.3, criterion="magnitude", allocation="blockwise", reconstruct="none"), run=zero3_run)
     # block_importance (default removal) is read by blockwise only: global under ZeRO-3 runs
     prepare_run(settings_of(0.3, criterion="magnitude", reconstruct="none"), config=config, run=zero3_run)

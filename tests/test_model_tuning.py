@@ -155,7 +155,8 @@ def test_the_cut_tunes_the_model_after_a_repair_and_says_so(caplog):
     assert none.reconstruction is None  # the masked model is what reconstruct none asks for
     line = model_tuning_line(figures)
     assert re.match(r"model tuning \(2 epochs, lr 0.0003, 32 training sequences\): held-out KL from the dense model "
-                    r"\d\.\d{4} -> \d\.\d{4} \(16 held-out sequences\); epoch kept [12] of [12] run", line), line
+                    r"\d\.\d{4} -> \d\.\d{4} \(16 held-out sequences\); weights kept after [0-9.]+ of [0-9.]+ "
+                    r"epochs run", line), line
 
 
 def test_a_tuning_that_does_not_fit_in_memory_is_skipped_and_said(monkeypatch, caplog):

@@ -194,7 +194,8 @@ def test_the_defaults_are_the_search_on_obs_levels_and_measured_block_removal():
     """The allocation that was never worse than the uniform cut (docs/benchmarks.md) is the default, with the budget
     it was measured with; blockwise ranks sub-blocks by measured removal (380x dense with unit scores on SmolLM2)."""
     s = PruneSettings()
-    assert s.allocation == "search" and s.reconstruct == "least_squares" and s.block_importance == "removal"
+    assert s.allocation == "search" and s.reconstruct == "least_squares"
+    assert PruneSettings(allocation="blockwise").allocation_options.block_importance == "removal"
     opts = s.allocation_options
     assert (opts.order, opts.generations, opts.offspring, opts.stages, opts.survivors) == ("obs", "auto", 8,
                                                                                         (2, 8, 32), (8, 2, 1))

@@ -314,8 +314,9 @@ def test_blockwise_removal_never_reuses_scores_without_sub_block_removals(tmp_pa
     cache = ScoreCache(tmp_path / "cache")
     plain = _run_scores(tmp_path / "scores.pt", config)  # a global run: no sub-block removal measures
     stored = cache.store(score_key(config), plain)
-    removal = apply_point(config, {"prune.allocation": "blockwise", "prune.block_importance": "removal"})
-    units = apply_point(config, {"prune.allocation": "blockwise", "prune.block_importance": "units"})
+    removal = apply_point(config, {"prune.allocation": "blockwise",
+                                   "prune.allocation_args.block_importance": "removal"})
+    units = apply_point(config, {"prune.allocation": "blockwise", "prune.allocation_args.block_importance": "units"})
     assert score_key(removal) != score_key(config)
     assert cache.lookup(score_key(removal), prune_section(removal)) is None
     assert cache.lookup(score_key(units), prune_section(units)) == stored  # units need nothing more

@@ -116,8 +116,29 @@ def resolved_config(base: list[str]) -> dict[str, Any]:
     return yaml.safe_load(done.stdout) or {}
 
 
+# A row's own option (`prune.allocation_args.<name>`): a key of the run config when some allocation row takes it; a
+# trial keeps it only when its allocation does (the sweep may vary the allocation beside one row's options).
+ROW_OPTION = "prune.allocation_args."
+
+
+def _row_options() -> dict[str, list[str]]:
+    """Option name -> the allocation rows whose options dataclass has it."""
+    from dataclasses import fields
+
+    from prunelight.allocation import ALLOCATIONS
+
+    out: dict[str, list[str]] = {}
+    for name, row in ALLOCATIONS.items():
+        for f in fields(row.options) if row.options is not None else ():
+            out.setdefault(f.name, []).append(name)
+    return out
+
+
 def _lookup(config: dict, key: str) -> tuple[bool, list[str]]:
     """Whether `key` names a setting of `config`, and the keys beside it (for the error message)."""
+    if key.startswith(ROW_OPTION) and "." not in key[len(ROW_OPTION):]:
+        options = _row_options()
+        return key[len(ROW_OPTION):] in options, sorted(options)
     node: Any = config
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -145,7 +166,8 @@ def check_keys(space: dict[str, Any], config: dict[str, Any], base: list[str]) -
 
 
 def apply_point(config: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of a resolved run config with the point's dotted keys set."""
+    """A deep copy of a resolved run config with the point's dotted keys set; of `prune.allocation_args`, the options
+    the point's allocation row takes (another row's option in the space does not apply to this trial)."""
     out = json.loads(json.dumps(config, default=str))
     for key, value in point.items():
         node = out
@@ -155,6 +177,10 @@ def apply_point(config: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]
                 node[p] = {}
             node = node[p]
         node[leaf] = value
+    prune = out.get("prune")
+    if isinstance(prune, dict) and prune.get("allocation_args") and any(k.startswith(ROW_OPTION) for k in point):
+        takes = {name for name, rows in _row_options().items() if prune.get("allocation", "search") in rows}
+        prune["allocation_args"] = {k: v for k, v in prune["allocation_args"].items() if k in takes}
     return out
 
 
@@ -166,9 +192,12 @@ def check_values(space: dict[str, Any], config: dict[str, Any]) -> None:
     for key, spec in space.items():
         if not key.startswith("prune.") or is_range(spec):
             continue
+        rows = _row_options().get(key[len(ROW_OPTION):], []) if key.startswith(ROW_OPTION) else [None]
         for value in spec:
-            section = apply_point(prune, {key.split(".", 1)[1]: value})
-            try:
-                PruneSettings(**section)
-            except (ValueError, TypeError) as err:
-                raise SettingsError(f"sweep.space.{key}: {err}") from None
+            for row in rows:  # a row's option is checked by every row that takes it
+                section = apply_point({**prune, **({"allocation": row, "allocation_args": {}} if row else {})},
+                                      {key.split(".", 1)[1]: value})
+                try:
+                    PruneSettings(**section)
+                except (ValueError, TypeError) as err:
+                    raise SettingsError(f"sweep.space.{key}: {err}") from None
