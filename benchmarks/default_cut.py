@@ -50,12 +50,14 @@ VARIANTS: dict[str, dict] = {
 
 
 def cell_args(config: str, out: Path, ratio: float, seed: int, overrides: dict, eval_len: int, eval_blocks: int,
-              dense_cache: Path) -> list[str]:
+              dense_cache: Path, state_dir: Path | None = None) -> list[str]:
     """The `prunelight fit` arguments of one cell: no recovery, no export, the seed in every random choice."""
     prune = {k: v for k, v in overrides.items() if k != "allocation_args"}
     args = dict(overrides.get("allocation_args", {}))
     if overrides.get("allocation", "search") == "search":
         args.setdefault("seed", seed)
+        if state_dir is not None:  # the seed's levels database, built once and read back by every variant
+            args.setdefault("state_dir", str(state_dir))
     out_args = [f"--config={config}", "--model.recovery=none", "--trainer.max_steps=1",
                 f"--data.eval_seq_len={eval_len}", f"--data.max_eval_blocks={eval_blocks}", "--data.eval_batch_size=8",
                 f"--data.seed={seed}", f"--seed_everything={seed}", f"--prune.ratio={ratio}",
@@ -88,9 +90,10 @@ def run_cell(name: str, ratio: float, seed: int, overrides: dict, args) -> dict:
     out = Path(args.out) / f"{name}_r{ratio:g}_s{seed}"
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
+    shared = Path(args.out) / f"state_r{ratio:g}_s{seed}" if args.shared_state else None
     cmd = [sys.executable, "-m", "prunelight", "fit", *cell_args(args.config, out, ratio, seed, overrides,
                                                                   args.eval_len, args.eval_blocks,
-                                                                  Path(args.out) / "dense_cache")]
+                                                                  Path(args.out) / "dense_cache", shared)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ}, check=False)
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="default_cut_smollm2")
     p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--resume", action="store_true", help="keep the cells already in the JSON")
+    p.add_argument("--shared-state", action="store_true",
+                   help="one search state folder per ratio and seed: the levels database is built by the first cell "
+                        "and read back by the others (their search_database seconds are the read)")
     args = p.parse_args(argv)
     if bench.shared_path() is None:
         raise SystemExit("the shared data folder is missing: set PRUNELIGHT_SHARED (the config reads models and text "

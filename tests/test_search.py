@@ -323,6 +323,12 @@ def test_search_resumes_from_its_state(tmp_path):
     resumed = evolve(space, fit, seeds, opts, tmp_path / "s.pt")
     assert resumed.levels == whole.levels and resumed.kl == pytest.approx(whole.kl)
     assert len(resumed.trajectory) == 4
+    # a shorter search is not read from a longer one's state, nor a search from another first generation
+    shorter = evolve(space, fit, seeds, SearchOptions(**{**opts.__dict__, "generations": 2}), tmp_path / "s.pt")
+    assert len(shorter.trajectory) == 3
+    more = {**seeds, "other": space.snap({"attn": [1, 0, 0], "mlp": [8, 8, 8]})}
+    other = evolve(space, fit, more, opts, tmp_path / "s.pt")
+    assert set(other.seeds) == {"uniform", "other"} and len(other.trajectory) == 4
 
 
 def test_a_state_saved_with_other_fitness_folds_is_not_resumed(tmp_path):

@@ -78,7 +78,11 @@ def evolve(space: LevelSpace, fitness: Callable[[Levels, int], float], seeds: di
     final = options.stages[-1]
     state = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
     rng = random.Random(options.seed)
-    if state is not None and state.get("options") == _opts(options):
+    # A state resumes the same search: the same options, the same first generation (its seeds within the budget),
+    # and no more generations than asked (a shorter search is not a prefix of a longer one's saved end).
+    first = {name for name, lv in seeds.items() if lv is not None and space.within(lv)}
+    if (state is not None and state.get("options") == _opts(options) and set(state["seeds"]) == first
+            and state["generation"] <= options.generations):
         parent, best, seed_kl, trajectory, start = (state["parent"], state["kl"], state["seeds"], state["trajectory"],
                                                     state["generation"])
         rng.setstate(state["rng"])
