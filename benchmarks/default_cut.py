@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict] = {
     "stages_16": {"allocation_args": {"stages": [2, 8, 16]}},
     "criterion_order": {"allocation_args": {"order": "criterion"}},
     "fixed_ridge": {"allocation_args": {"cut_ridge": "fixed"}},
+    "ridge_grid_3": {"allocation_args": {"cv_ridges": [0.03, 0.1, 0.3]}},
     "tuning_1_epoch": {"model_tuning": {"epochs": 1}},
     "no_tuning": {"model_tuning": {"epochs": 0}},
 }
@@ -88,7 +89,7 @@ def phases(report: dict) -> dict[str, float]:
 def run_cell(name: str, ratio: float, seed: int, overrides: dict, args) -> dict:
     """One `prunelight fit`, its figures read back from its report.json."""
     out = Path(args.out) / f"{name}_r{ratio:g}_s{seed}"
-    log = out.with_suffix(".log")
+    log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
     shared = Path(args.out) / f"state_r{ratio:g}_s{seed}" if args.shared_state else None
     cmd = [sys.executable, "-m", "prunelight", "fit", *cell_args(args.config, out, ratio, seed, overrides,
