@@ -302,6 +302,8 @@ def prunelight_config(model: nn.Module):
         auto_map["AutoModel"] = f"{remote}.{family.pruned_decoder_class.__name__}"
     overrides = modeling.per_layer_config(shapes, data)
     extra = {"per_layer_config": overrides, "allow_global_per_layer_attribute_access": True} if overrides else {}
+    if overrides:
+        _quiet_global_reads()
     return family.pruned_config_class(
         **data,
         layer_shapes=shapes,
@@ -309,6 +311,18 @@ def prunelight_config(model: nn.Module):
         auto_map=auto_map,
         **extra,
     )
+
+
+def _not_a_global_read_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Reading global config value for per-layer attribute")
+
+
+def _quiet_global_reads() -> None:
+    """Drop transformers' warning on reading a heterogeneous config's global widths: it is meant for code that assumes
+    one shape per layer, and prunelight's modules are resized to their layer's shape right after being built."""
+    log_ = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
+    if _not_a_global_read_warning not in log_.filters:
+        log_.addFilter(_not_a_global_read_warning)
 
 
 def _without_noop_norms(model: nn.Module) -> dict:

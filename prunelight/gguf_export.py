@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from prunelight import __version__
 from prunelight.atomic import atomic_path
 from prunelight.errors import GgufExportError
 from prunelight.serving import (
@@ -45,6 +46,7 @@ from prunelight.serving import (
 )
 from prunelight.families import LayerShape, ModelFamily, get_family, unwrap
 from prunelight.gguf_vocab import copy_tokenizer, write_tokenizer
+from prunelight.sources import WRITER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -545,6 +547,7 @@ def _add_metadata(w, config, layout: GgufLayout, shapes: list[LayerShape], dtype
     theta, kind = _rope(config)
     per_layer = (lambda f: [getattr(s, f) for s in shapes]) if layout.per_layer else (lambda f: getattr(shapes[0], f))
     w.add_name(name or getattr(config, "_name_or_path", None) or "prunelight export")
+    w.add_string(WRITER_KEY, __version__)
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[dtype]))
     if block_size(dtype) > 1:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)

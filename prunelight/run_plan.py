@@ -285,11 +285,17 @@ _SHAPE_FEATURES = {Shape.UNIFORM: frozenset({serving.UNIFORM, serving.GROUPS_REM
 
 
 def _loaders(config, features: frozenset[str] | None) -> str:
-    """Which engines load a cut with up to these features (all of the family's per-layer ones when None)."""
+    """Which engines load a cut with up to these features (all of the family's per-layer ones when None); an engine
+    that states only some of them is named with the features its cut must not have."""
     names = []
     for engine in serving.ENGINES:
-        for via, states in engine_layouts(config, engine).items():
-            if (features is None and serving.MLP_PER_LAYER in states) or (features is not None and features <= states):
-                names.append(f"{engine} ({via})")
-                break
+        layouts = engine_layouts(config, engine).items()
+        if features is None:
+            layouts = [(via, frozenset()) for via, states in layouts if serving.MLP_PER_LAYER in states]
+        else:
+            layouts = [(via, features - states) for via, states in layouts if serving.MLP_PER_LAYER in states
+                       or features <= states]
+        if layouts:
+            via, missing = min(layouts, key=lambda kv: len(kv[1]))
+            names.append(f"{engine} ({via}" + (f", if the cut has no {', '.join(sorted(missing))})" if missing else ")"))
     return "engines that load it: " + (", ".join(names) if names else "none; transformers with trust_remote_code")

@@ -169,6 +169,13 @@ class _GgufHeader:
     q_bias: bool = False
     rope_freqs: bool = False
     file_type: int | None = None
+    written_by_prunelight: bool = False
+
+
+# Architectures whose files prunelight writes and transformers' GGUF loader reads back as another model (measured on
+# tiny cuts, docs/gguf.md "Reading GGUF back"): the folder written beside the file is the one to load.
+_MISREAD_WRITTEN = {"gemma2": "the attention scale folded into its query rows", "gemma3": "the attention scale folded "
+                    "into its query norm", "phi3": "its partial rotary", "qwen3": "its head_dim"}
 
 
 def _gguf_header(path: Path) -> _GgufHeader:
@@ -198,7 +205,8 @@ def _parse_gguf_header(path: str, size: int, mtime_ns: int) -> _GgufHeader:
                        per_layer_heads=heads is not None and heads.types[0] == gguf.GGUFValueType.ARRAY,
                        q_bias=any(t.name.endswith(".attn_q.bias") for t in reader.tensors),
                        rope_freqs=any(t.name == "rope_freqs.weight" for t in reader.tensors),
-                       file_type=int(ftype.parts[ftype.data[0]][0]) if ftype is not None else None)
+                       file_type=int(ftype.parts[ftype.data[0]][0]) if ftype is not None else None,
+                       written_by_prunelight=WRITER_KEY in reader.fields)
 
 
 def gguf_quantization(path: Path) -> str | None:
@@ -212,6 +220,10 @@ def gguf_quantization(path: Path) -> str | None:
         return gguf.LlamaFileType(code).name.removeprefix("MOSTLY_").replace("ALL_", "")
     except Exception:  # the report line is informative only; loading reports real problems
         return None
+
+
+WRITER_KEY = "prunelight.version"
+"""The GGUF key prunelight's writer sets (llama.cpp ignores keys it does not know)."""
 
 
 def check_gguf_file(path: Path, option: str, value: str) -> None:
@@ -233,6 +245,10 @@ def check_gguf_file(path: Path, option: str, value: str) -> None:
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader cannot read {why} (it reads one width for "
                               f"every layer of {', '.join(readable)}); load the Hugging Face folder prunelight wrote "
                               "beside it instead")
+    if head.written_by_prunelight and head.arch in _MISREAD_WRITTEN:
+        raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader misreads the {head.arch} files prunelight "
+                              f"writes ({_MISREAD_WRITTEN[head.arch]}); load the Hugging Face folder written beside it "
+                              "instead")
     if head.arch == "llama" and head.q_bias:
         raise PrunelightError(f"{option}={value!r}: transformers' GGUF loader drops its q/k/v biases (a Qwen2 or "
                               "biased Llama written as llama); load the Hugging Face folder (or checkpoint) it was "

@@ -422,3 +422,19 @@ def test_config_level_checks_agree_with_the_engine_table():
             with pytest.raises(GgufExportError, match=f"cannot write a {family} cut with {feature}") as err:
                 check_gguf_shapes(config, {feature})
             assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2", "phi3"])
+def test_a_file_prunelight_wrote_that_transformers_misreads_is_refused_as_a_source(tmp_path, family):
+    """transformers' GGUF loader reads these architectures as another model when prunelight wrote them (docs/gguf.md):
+    as `model.pretrained` they are refused in one line naming the folder to load instead; a llama file is not."""
+    path, _ = make_tiny_gguf(tmp_path / "src.gguf")
+    tokenizer = sources.load_tokenizer(sources.resolve_pretrained(str(path)))
+    for name, fam, refused in (("m.gguf", family, True), ("l.gguf", "llama", False)):
+        out = write_gguf(tiny_model(fam, vocab_size=262), tmp_path / name, "f32", tokenizer=tokenizer)
+        if refused:
+            with pytest.raises(PrunelightError, match="misreads the .* files prunelight writes") as err:
+                sources.check_gguf_file(out, "model.pretrained", str(out))
+            assert "\n" not in str(err.value) and "folder written beside it" in str(err.value)
+        else:
+            sources.check_gguf_file(out, "model.pretrained", str(out))

@@ -312,10 +312,11 @@ def test_smollm2_cut_with_gqa_and_noop_sub_blocks_in_llama_cpp(tmp_path):
         path.unlink()
 
 
-@pytest.mark.parametrize("family,config", [("gemma3_text", {}), ("qwen3", {"attention_bias": False})])
+@pytest.mark.parametrize("family,config", [("gemma3_text", {}), ("qwen3", {"attention_bias": False}), ("gemma2", {}),
+                                           ("phi3", {})])  # phi3: partial rotary, as Phi-4-mini
 def test_the_default_fit_of_a_family_with_uniform_gguf_layers_runs_in_llama_cpp(tmp_path, monkeypatch, caplog, family,
                                                                                  config):
-    """The default path of a Gemma 3 or Qwen3 user: `prunelight fit` with the default allocation (search) and
+    """The default path of a Gemma 2/3, untied Qwen3 or partial-rotary Phi-3 user: `prunelight fit` with the default allocation (search) and
     `--export.gguf.dtype f16` on a tiny model. llama.cpp's gemma3 / qwen3 architectures size every layer from layer
     0's widths, so the run plan keeps one shape in every layer (said in one line, before any weights load); the GGUF
     is written in the family's own architecture and llama.cpp's greedy tokens are transformers' on the exported
@@ -338,7 +339,7 @@ def test_the_default_fit_of_a_family_with_uniform_gguf_layers_runs_in_llama_cpp(
                                "--export.out_dir=runs/g"))
     assert "states one shape in every layer, so the cut keeps one" in caplog.text
     out = tmp_path / "runs" / "g"
-    arch = {"gemma3_text": "gemma3", "qwen3": "qwen3"}[family]
+    arch = {"gemma3_text": "gemma3", "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}[family]
     reader = gguf.GGUFReader(str(out / "model.F16.gguf"))
     field = reader.fields["general.architecture"]
     assert bytes(field.parts[field.data[0]]).decode() == arch
