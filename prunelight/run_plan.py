@@ -244,13 +244,14 @@ def serving_constraint(settings: PruneSettings, shape: Shape, config, export_for
     engine (`serving.SERVING`, read for this config by `engine_layouts`); `stock` / `nemotron_nas` keep their own
     shape; `prunelight` none. Per-layer widths a target cannot state make the cut one shape in every layer; a removed
     GQA group it cannot state keeps attention whole; a removed sub-block it cannot state is refused in one line."""
-    family = get_family(config).name
+    fam = get_family(config)
+    family = fam.name
+    layouts = {engine: engine_layouts(config, engine) for engine in serving.ENGINES}  # read once, for the log line too
     if export_format == "prunelight" and gguf is None:
-        log.info("export.format=prunelight: per-layer shapes, no engine's constraint; %s", _loaders(config, None))
+        log.info("export.format=prunelight: per-layer shapes, no engine's constraint; %s", _loaders(layouts, None))
         return settings, shape
-    options = {("llama.cpp", arch): states for arch, states in engine_layouts(config, "llama.cpp").items()}
-    if gguf is None:
-        options.update({("vllm", fmt): states for fmt, states in engine_layouts(config, "vllm").items()})
+    options = {(engine, via): states for engine in (("llama.cpp",) if gguf is not None else serving.ENGINES)
+               for via, states in layouts[engine].items()}
     if shape is not Shape.FREE:  # stock / nemotron_nas: the format's own shape, within what the GGUF states
         fixed = _SHAPE_FEATURES[shape]
         options = {k: fixed & v for k, v in options.items()} if gguf is not None else {("format", export_format): fixed}
@@ -267,14 +268,14 @@ def serving_constraint(settings: PruneSettings, shape: Shape, config, export_for
         shape = Shape.UNIFORM
         log.info("%s for %s: %s %s states one shape in every layer, so the cut keeps one", target, family, engine, via)
     if serving.GROUPS_REMOVED not in allowed:
-        keep = get_family(config).base_shape(config).num_key_value_heads
+        keep = fam.base_shape(config).num_key_value_heads
         if settings.min_groups < keep:
             log.info("%s for %s: %s %s states no removed GQA group, so the cut takes MLP channels only "
                      "(prune.min_groups=%d)", target, family, engine, via, keep)
             settings = replace(settings, min_groups=keep)
     if shape is Shape.FREE:
         log.info("%s for %s: the cut keeps the shapes %s serves (%s: %s); %s", target, family, engine, via,
-                 ", ".join(sorted(allowed)), _loaders(config, allowed))
+                 ", ".join(sorted(allowed)), _loaders(layouts, allowed))
     return settings, shape
 
 
@@ -284,18 +285,17 @@ _SHAPE_FEATURES = {Shape.UNIFORM: frozenset({serving.UNIFORM, serving.GROUPS_REM
                                             serving.ATTN_REMOVED, serving.MLP_REMOVED})}
 
 
-def _loaders(config, features: frozenset[str] | None) -> str:
+def _loaders(layouts: dict[str, dict[str, frozenset[str]]], features: frozenset[str] | None) -> str:
     """Which engines load a cut with up to these features (all of the family's per-layer ones when None); an engine
     that states only some of them is named with the features its cut must not have."""
     names = []
-    for engine in serving.ENGINES:
-        layouts = engine_layouts(config, engine).items()
+    for engine, formats in layouts.items():
         if features is None:
-            layouts = [(via, frozenset()) for via, states in layouts if serving.MLP_PER_LAYER in states]
+            fits = [(via, frozenset()) for via, states in formats.items() if serving.MLP_PER_LAYER in states]
         else:
-            layouts = [(via, features - states) for via, states in layouts if serving.MLP_PER_LAYER in states
-                       or features <= states]
-        if layouts:
-            via, missing = min(layouts, key=lambda kv: len(kv[1]))
+            fits = [(via, features - states) for via, states in formats.items() if serving.MLP_PER_LAYER in states
+                    or features <= states]
+        if fits:
+            via, missing = min(fits, key=lambda kv: len(kv[1]))
             names.append(f"{engine} ({via}" + (f", if the cut has no {', '.join(sorted(missing))})" if missing else ")"))
     return "engines that load it: " + (", ".join(names) if names else "none; transformers with trust_remote_code")

@@ -172,6 +172,10 @@ class _GgufHeader:
     written_by_prunelight: bool = False
 
 
+WRITER_KEY = "prunelight.version"
+"""The GGUF key prunelight's writer sets (llama.cpp ignores keys it does not know)."""
+
+
 # Architectures whose files prunelight writes and transformers' GGUF loader reads back as another model (measured on
 # tiny cuts, docs/gguf.md "Reading GGUF back"): the folder written beside the file is the one to load.
 _MISREAD_WRITTEN = {"gemma2": "the attention scale folded into its query rows", "gemma3": "the attention scale folded "
@@ -220,10 +224,6 @@ def gguf_quantization(path: Path) -> str | None:
         return gguf.LlamaFileType(code).name.removeprefix("MOSTLY_").replace("ALL_", "")
     except Exception:  # the report line is informative only; loading reports real problems
         return None
-
-
-WRITER_KEY = "prunelight.version"
-"""The GGUF key prunelight's writer sets (llama.cpp ignores keys it does not know)."""
 
 
 def check_gguf_file(path: Path, option: str, value: str) -> None:
