@@ -201,9 +201,9 @@ def test_the_defaults_are_the_search_on_obs_levels_and_measured_block_removal():
                                                                                         (2, 8, 32), (8, 2, 1))
 
 
-@pytest.mark.parametrize("ratio, generations", [(0.1, 12), (0.2, 12), (0.3, 18), (0.5, 30)])
+@pytest.mark.parametrize("ratio, generations", [(0.1, 6), (0.2, 6), (0.3, 9), (0.5, 15)])
 def test_generations_auto_grows_with_the_share_of_parameters_removed(tmp_path, ratio, generations):
-    """12 generations up to a 20% cut, then 12 per 20%; run_search resolves the count before the search, runs that
+    """6 generations up to a 20% cut, then 6 per 20%; run_search resolves the count before the search, runs that
     many generations and records the count."""
     model, settings, budget, scores, _ = _setup(ratio)
     assert auto_generations(budget) == generations
@@ -564,7 +564,8 @@ def test_the_database_reads_every_calibration_batch_and_the_probes_only_the_impo
     args = {"generations": 1, "offspring": 2, "stages": [2], "survivors": [2], "mlp_levels": 8,
             "state_dir": str(tmp_path)}
     _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
-                                       "importance_batches": 1, "allocation_args": args}, batches)
+                                       "importance_batches": 1, "allocation_args": {**args, "seed_calibrated": True}},
+                               batches)
     db = torch.load(tmp_path / "levels_obs.pt", weights_only=False)
     assert db["tokens"] == sum(b.numel() for b in batches)  # 4 batches, not the 1 the probes read
     assert "calibrated" in plan.meta["search"]["seeds_kl"]
@@ -582,12 +583,13 @@ def test_allocation_search_end_to_end_through_prune():
     assert plan.meta["allocation"] == "search"
     assert 0 <= plan.meta["budget_error_params"] < 3 * 64 and "search" in plan.meta  # one MLP channel: 3 x hidden
     seeds_kl = plan.meta["search"]["seeds_kl"]
-    assert {"uniform", "global", "calibrated"} <= set(seeds_kl)  # the default's plan is in the first generation
+    assert set(seeds_kl) == {"uniform", "global"}  # no probes by default: the calibrated plan is opt-in
     assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(seeds_kl.values())
     fresh = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)  # prune cuts in place
     _, plan = prunelight.prune(fresh, {"criterion": "flap", "allocation": "search", "ratio": 0.2,
-                                       "allocation_args": {**args, "seed_calibrated": False}}, _batches())
-    assert "calibrated" not in plan.meta["search"]["seeds_kl"]
+                                       "allocation_args": {**args, "seed_calibrated": True}}, _batches())
+    assert {"uniform", "global", "calibrated"} <= set(plan.meta["search"]["seeds_kl"])
+    assert plan.meta["search"]["trajectory"][-1]["kl"] <= min(plan.meta["search"]["seeds_kl"].values())
     with pytest.raises(ValueError, match="generationz"):
         prunelight.prune(tiny_model("llama"), {"allocation": "search", "allocation_args": {"generationz": 1}},
                          _batches())
@@ -633,7 +635,7 @@ def test_search_under_export_format_nemotron_nas_keeps_one_group_count(tmp_path)
 
     model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64, num_key_value_heads=2)
     args = {"generations": 3, "offspring": 3, "stages": [2, 4], "survivors": [3, 1], "mlp_levels": 8,
-            "state_dir": str(tmp_path)}
+            "state_dir": str(tmp_path), "seed_calibrated": True}  # the served layouts paired with calibrated's widths
     _, plan = prunelight.prune(model, {"criterion": "flap", "allocation": "search", "ratio": 0.3,
                                        "allocation_args": args}, _batches(), export_format="nemotron_nas")
     kept = {len(lp.keep_groups) for lp in plan.layers if lp.keep_groups}

@@ -23,9 +23,9 @@ from prunelight.console import progress
 log = logging.getLogger(__name__)
 
 # generations: auto gives the search a budget in proportion to how much it cuts: a level move shifts one group or one
-# MLP grid step, so a deeper cut has proportionally more of them to place. 12 per 20% is the budget that keeps the
-# default 20% cut of SmolLM2 within 10 minutes on 2 CPU cores.
-AUTO_GENERATIONS = 12
+# MLP grid step, so a deeper cut has proportionally more of them to place. 6 per 20% keeps the default 20% cut of
+# SmolLM2 near 7.5 minutes on 2 CPU cores (docs/benchmarks.md, "The default cut").
+AUTO_GENERATIONS = 6
 AUTO_GENERATIONS_PER = 0.2
 
 

@@ -24,9 +24,10 @@ class SearchOptions:
 
     generations: int | str = "auto"
     """Generations of the (1 + λ) search. "auto": AUTO_GENERATIONS per AUTO_GENERATIONS_PER of the parameters removed,
-    at least AUTO_GENERATIONS (12 up to a 20% cut, 18 at 30%, 30 at 50%: `auto_generations`); plan.meta.search
-    records the count. Deeper cuts start further from the best plan (more levels to move between sub-blocks): on
-    SmolLM2 twice the generations at 30% gave 1.555x against 1.598x, still improving (docs/benchmarks.md)."""
+    at least AUTO_GENERATIONS (6 up to a 20% cut, 9 at 30%, 15 at 50%: `auto_generations`); plan.meta.search
+    records the count. Deeper cuts start further from the best plan (more levels to move between sub-blocks). On
+    SmolLM2 at 20% (seed 0) 12 generations gave 1.259x against @FAST_S0@ with 6, for 113 s more
+    (docs/benchmarks.md, "The default cut")."""
     offspring: int = 8
     """λ: candidates per generation, each a few level moves away from the best so far."""
     stages: tuple[int, ...] = (2, 8, 32)
@@ -67,11 +68,12 @@ class SearchOptions:
     / all tokens). "fixed": prune.reconstruct_ridge, the damping the search ranks candidates with."""
     cv_sequences: int = 16
     """Calibration sequences held out to choose the cut's ridge (at most a quarter of them)."""
-    cv_ridges: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0)
+    cv_ridges: tuple[float, ...] = (0.03, 0.1, 0.3)
     """The ridges (x mean diagonal of the kept inputs' Gram, as prune.reconstruct_ridge) `cut_ridge: cv` tries. When
     an end of the grid wins, up to 3 more ridges past it are tried, each one grid step further, while the held-out KL
-    falls (SmolLM2 at 50%: 0.01 won the grid, 0.00037 after extending it, 1.1% lower test perplexity;
-    `ridge_cv.extended` lists them)."""
+    falls (`ridge_cv.extended` lists them). Three ridges around SmolLM2's winners at 10-30% (0.1-0.3); a cut that
+    wants 0.01 or 1 reaches it by the extension (at 50% the extension took SmolLM2 to 0.00037, 1.1% lower test
+    perplexity than the grid's end)."""
     cv_seed: bool = False
     """With `cut_ridge: cv`, also measure the first generation's best seed on the held-out sequences (at the chosen
     ridge) and cut it instead of the search's result when its KL there is lower. Off by default: on SmolLM2 it kept
@@ -80,9 +82,12 @@ class SearchOptions:
     seeds: dict[str, Any] = field(default_factory=dict)
     """More plans for the first generation besides uniform and global: name -> the units each sub-block removes,
     {"attn": [[group, ...] per layer], "mlp": [[channel, ...] per layer]} (e.g. a stock cut's)."""
-    seed_calibrated: bool = True
+    seed_calibrated: bool = False
     """Add the `calibrated` allocation's plan to the first generation (its probes run on the
-    prune.importance_batches sequences), so the search is never worse than the default on calibration KL."""
+    prune.importance_batches sequences). Off by default: on SmolLM2 at 20% its probes cost 106 s and its plan, the
+    best seed, held the search in its neighbourhood (calibration KL 0.412 after 12 generations, flat from the 5th)
+    where the global seed went on to 0.391 and 1.259x against 1.296x on test (docs/benchmarks.md, "The default
+    cut")."""
     state_dir: str | None = None
     """A folder for the levels database and the resumable search state (None: the run's output folder; the
     database is kept per model, criterion, order, ridge and calibration tokens, so it serves every ratio)."""
