@@ -55,7 +55,10 @@ def _job(tmp: Path) -> Path:
         },
         # The plain cut, so rank weights compare bit for bit with make_plan + apply_plan in one process; the
         # least-squares statistics summed over ranks are tested in test_reconstruct.py.
-        "prune": {"ratio": RATIO, "reconstruct": "none"},
+        # No generations: the search's early stages score each rank's own first sequences, so under DDP they see
+        # other sequences than one process does and may step elsewhere (ranks still agree: test_search.py sums
+        # over ranks); the seeds are ranked on every sequence either way.
+        "prune": {"ratio": RATIO, "reconstruct": "none", "allocation_args": {"generations": 0}},
         # evaluation runs on rank 0 only while rank 1 waits at a barrier: this must not hang
         "evaluation": {"data_eval": False, "suite": {
             "ppl_datasets": {"test": {"path": str(text["test"])}}, "seq_lens": [16],
@@ -96,7 +99,8 @@ def one_process(ddp_run):
     dm.setup("fit")
     lm = PruneLM(pretrained=str(tmp / "model"), dtype="float32")
     lm.configure_model()
-    planned = make_plan(lm.base_model, dm.calibration_batches(0, 1), PruneSettings(ratio=RATIO))
+    planned = make_plan(lm.base_model, dm.calibration_batches(0, 1), PruneSettings(
+        ratio=RATIO, allocation_args=cfg["prune"]["allocation_args"]))
     plan, scores = planned.plan, planned.scores
     lm.apply_plan(plan)
     return plan, scores, lm.base_model.state_dict()
