@@ -91,7 +91,9 @@ def run_cell(name: str, ratio: float, seed: int, overrides: dict, args) -> dict:
     out = Path(args.out) / f"{name}_r{ratio:g}_s{seed}"
     log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
-    shared = Path(args.out) / f"state_r{ratio:g}_s{seed}" if args.shared_state else None
+    # the levels database is keyed by model, criterion, order, ridge and calibration tokens (the seed's), not the
+    # ratio, and the search state by the parameter target: one folder per seed serves every ratio
+    shared = Path(args.out) / f"state_s{seed}" if args.shared_state else None
     cmd = [sys.executable, "-m", "prunelight", "fit", *cell_args(args.config, out, ratio, seed, overrides,
                                                                   args.eval_len, args.eval_blocks,
                                                                   Path(args.out) / "dense_cache", shared)]
@@ -155,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default=str(bench.RESULTS))
     p.add_argument("--resume", action="store_true", help="keep the cells already in the JSON")
     p.add_argument("--shared-state", action="store_true",
-                   help="one search state folder per ratio and seed: the levels database is built by the first cell "
-                        "and read back by the others (their search_database seconds are the read)")
+                   help="one search state folder per seed: the levels database is built by the seed's first cell "
+                        "and read back by the others, at every ratio (their search_database seconds are the read)")
     args = p.parse_args(argv)
     if bench.shared_path() is None:
         raise SystemExit("the shared data folder is missing: set PRUNELIGHT_SHARED (the config reads models and text "

@@ -152,7 +152,7 @@ def figure(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens/s in llama.cpp (2 CPU threads)")
     ax.set_ylabel("perplexity in llama.cpp (WikiText-2 test)")
-    ax.set_title(f"SmolLM2-135M: default cut + {STEPS} LoRA steps vs dense, per GGUF type")
+    ax.set_title(f"SmolLM2-135M: default cut + {STEPS} LoRA steps\nagainst the dense model, per GGUF type", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

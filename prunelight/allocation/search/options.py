@@ -26,7 +26,7 @@ class SearchOptions:
     """Generations of the (1 + λ) search. "auto": AUTO_GENERATIONS per AUTO_GENERATIONS_PER of the parameters removed,
     at least AUTO_GENERATIONS (6 up to a 20% cut, 9 at 30%, 15 at 50%: `auto_generations`); plan.meta.search
     records the count. Deeper cuts start further from the best plan (more levels to move between sub-blocks). On
-    SmolLM2 at 20% (seed 0) 12 generations gave 1.259x against @FAST_S0@ with 6, for 113 s more
+    SmolLM2 at 20% (seed 0) 12 generations gave 1.259x against 1.274x with 6, for 113 s more
     (docs/benchmarks.md, "The default cut")."""
     offspring: int = 8
     """λ: candidates per generation, each a few level moves away from the best so far."""
