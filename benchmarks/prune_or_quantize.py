@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct (../shared). Each cut is the user's command, `prunelight f
 --trainer.max_steps 200 --prune.ratio R --prune.align_channels 32` (the default search, its repair and model tuning,
 then 200 LoRA steps of 4 x 128 tokens of English prose, merged; channels aligned to 32 so Q8_0 / Q4_0 blocks fit),
 written as GGUF in F16, Q8_0 and Q4_0 beside the dense model in the same types. Every file is measured in llama.cpp:
-perplexity on WikiText-2 test windows, file size, prompt and generation tokens/s (2 threads, median of the runs).
+perplexity on WikiText-2 test windows, file size, prompt and generation tokens/s (2 threads; every file is timed
+in turn, over several rounds, and each figure is the median of all its runs).
 
 Three phases over one work folder (each can be rerun alone; finished runs and files are kept):
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -88,7 +90,7 @@ def gguf(work: Path) -> None:
         del model
 
 
-def measure(work: Path, windows: int, window_len: int, runs: int, prompt_len: int, new_tokens: int,
+def measure(work: Path, windows: int, window_len: int, runs: int, rounds: int, prompt_len: int, new_tokens: int,
             out: Path) -> None:
     """Perplexity, file size, prompt and generation tokens/s of every file; the table, JSON and figure."""
     facts = json.loads((work / "facts.json").read_text())
@@ -97,20 +99,34 @@ def measure(work: Path, windows: int, window_len: int, runs: int, prompt_len: in
     wins = token_windows(tokenizer, text, windows, window_len)
     prompt = token_windows(tokenizer, text, 1, prompt_len)[0]
     load = os.getloadavg()[0]
-    rows = []
-    for name, fact in facts.items():
-        for dtype in TYPES:
-            path = work / f"{name}.{dtype}.gguf"
-            got = run_llama_cpp({"model": str(path), "threads": 2, "perplexity": {"windows": wins},
+    files = [(name, dtype) for name in facts for dtype in TYPES]
+    rows = {}
+    for name, dtype in files:
+        path = work / f"{name}.{dtype}.gguf"
+        got = run_llama_cpp({"model": str(path), "threads": 2, "perplexity": {"windows": wins}})
+        rows[name, dtype] = {"model": name, "ratio": facts[name]["ratio"], "type": dtype,
+                             "params": facts[name]["params"], "file_mb": path.stat().st_size / 2**20,
+                             "ppl": got["perplexity"]["ppl"], "prompt_runs": [], "gen_runs": []}
+    # The host's speed drifts over minutes (one file measured twice, minutes apart, differed by up to 60%): every
+    # round takes each file in turn, so a slow spell touches every file, and each file's figure is the median of
+    # all its rounds' runs.
+    for i in range(rounds):
+        for name, dtype in files:
+            got = run_llama_cpp({"model": str(work / f"{name}.{dtype}.gguf"), "threads": 2,
                                  "speed": {"prompt": prompt, "new_tokens": new_tokens, "runs": runs}})
-            rows.append({"model": name, "ratio": fact["ratio"], "type": dtype, "params": fact["params"],
-                         "file_mb": path.stat().st_size / 2**20, "ppl": got["perplexity"]["ppl"],
-                         "prompt_tps": got["speed"]["prompt_tps"], "gen_tps": got["speed"]["gen_tps"]})
-            print(json.dumps(rows[-1]), flush=True)
+            rows[name, dtype]["prompt_runs"] += got["speed"]["prompt_runs"]
+            rows[name, dtype]["gen_runs"] += got["speed"]["gen_runs"]
+        print(f"round {i + 1}/{rounds} done", flush=True)
+    rows = list(rows.values())
+    for r in rows:
+        r["prompt_tps"] = statistics.median(r["prompt_runs"])
+        r["gen_tps"] = statistics.median(r["gen_runs"])
+        print(json.dumps({k: v for k, v in r.items() if not k.endswith("_runs")}), flush=True)
     bench.add_speedups(rows, {"prompt": "prompt_tps", "gen": "gen_tps"}, lambda r: r["model"] == "dense", ("type",))
     date = time.strftime("%Y-%m-%d", time.gmtime())
     meta = {"model": SMOLLM2, "recovery": f"{STEPS} LoRA steps (configs/smollm2.yaml)", "windows": windows,
-            "window_len": window_len, "runs": runs, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+            "window_len": window_len, "runs": runs, "rounds": rounds, "prompt_tokens": prompt_len,
+            "new_tokens": new_tokens,
             "engine": got["llama_cpp"], "threads": 2, "load_before": load, "date": date}
     bench.write_results(out / "prune_or_quantize_smollm2", {"meta": meta, "rows": rows},
                         markdown(meta, rows))
@@ -125,7 +141,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{STEPS} LoRA steps, merged) against the dense model. llama.cpp {meta['engine']['release']} "
              f"(node-llama-cpp 3.21.1), CPU, {meta['threads']} threads; perplexity over {meta['windows']} x "
              f"{meta['window_len']} tokens of WikiText-2 test; prompt {meta['prompt_tokens']} tokens in one batch, "
-             f"then {meta['new_tokens']} generated, median of {meta['runs']} runs after a warm-up, load average "
+             f"then {meta['new_tokens']} generated, median of {meta.get('rounds', 1)} rounds x {meta['runs']} runs "
+             "(each round takes every file in turn, a warm-up run before each file's), load average "
              f"{meta['load_before']:.2f} before the first, {meta['date']}.", "",
              "`python -m benchmarks prune_or_quantize cut --work W && python -m benchmarks prune_or_quantize gguf "
              "--work W && python -m benchmarks prune_or_quantize measure --work W`", "",
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window-len", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per file per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over every file (each speed is the median of all)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out-dir", default=str(bench.RESULTS))
@@ -183,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.phase == "gguf":
         gguf(work)
     else:
-        measure(work, args.windows, args.window_len, args.runs, args.prompt_len, args.new_tokens,
+        measure(work, args.windows, args.window_len, args.runs, args.rounds, args.prompt_len, args.new_tokens,
                 Path(args.out_dir))
 
 
