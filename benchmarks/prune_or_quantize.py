@@ -99,10 +99,9 @@ def measure(work: Path, windows: int, window_len: int, runs: int, rounds: int, p
     wins = token_windows(tokenizer, text, windows, window_len)
     prompt = token_windows(tokenizer, text, 1, prompt_len)[0]
     load = os.getloadavg()[0]
-    files = [(name, dtype) for name in facts for dtype in TYPES]
+    paths = {(name, dtype): work / f"{name}.{dtype}.gguf" for name in facts for dtype in TYPES}
     rows = {}
-    for name, dtype in files:
-        path = work / f"{name}.{dtype}.gguf"
+    for (name, dtype), path in paths.items():
         got = run_llama_cpp({"model": str(path), "threads": 2, "perplexity": {"windows": wins}})
         rows[name, dtype] = {"model": name, "ratio": facts[name]["ratio"], "type": dtype,
                              "params": facts[name]["params"], "file_mb": path.stat().st_size / 2**20,
@@ -111,11 +110,11 @@ def measure(work: Path, windows: int, window_len: int, runs: int, rounds: int, p
     # round takes each file in turn, so a slow spell touches every file, and each file's figure is the median of
     # all its rounds' runs.
     for i in range(rounds):
-        for name, dtype in files:
-            got = run_llama_cpp({"model": str(work / f"{name}.{dtype}.gguf"), "threads": 2,
+        for key, path in paths.items():
+            got = run_llama_cpp({"model": str(path), "threads": 2,
                                  "speed": {"prompt": prompt, "new_tokens": new_tokens, "runs": runs}})
-            rows[name, dtype]["prompt_runs"] += got["speed"]["prompt_runs"]
-            rows[name, dtype]["gen_runs"] += got["speed"]["gen_runs"]
+            rows[key]["prompt_runs"] += got["speed"]["prompt_runs"]
+            rows[key]["gen_runs"] += got["speed"]["gen_runs"]
         print(f"round {i + 1}/{rounds} done", flush=True)
     rows = list(rows.values())
     for r in rows:
@@ -141,7 +140,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{STEPS} LoRA steps, merged) against the dense model. llama.cpp {meta['engine']['release']} "
              f"(node-llama-cpp 3.21.1), CPU, {meta['threads']} threads; perplexity over {meta['windows']} x "
              f"{meta['window_len']} tokens of WikiText-2 test; prompt {meta['prompt_tokens']} tokens in one batch, "
-             f"then {meta['new_tokens']} generated, median of {meta.get('rounds', 1)} rounds x {meta['runs']} runs "
+             f"then {meta['new_tokens']} generated, median of {meta['rounds']} rounds x {meta['runs']} runs "
              "(each round takes every file in turn, a warm-up run before each file's), load average "
              f"{meta['load_before']:.2f} before the first, {meta['date']}.", "",
              "`python -m benchmarks prune_or_quantize cut --work W && python -m benchmarks prune_or_quantize gguf "
@@ -191,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out-dir", default=str(bench.RESULTS))
     args = ap.parse_args(argv)
+    for flag, value in (("--runs", args.runs), ("--rounds", args.rounds)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.phase == "cut":
