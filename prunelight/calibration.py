@@ -8,7 +8,8 @@ soon as it is accumulated. Forward-only criteria run under no_grad.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,14 +81,17 @@ def _calibrate(base: nn.Module, batches: Iterable[torch.Tensor], criterion: Crit
         for b, input_ids in enumerate(progress(batches, f"scoring units ({criterion.name})")):
             input_ids = input_ids.to(device)
             for chunk in torch.split(input_ids, criterion.micro_batch_size or max(len(input_ids), 1)):
-                with torch.set_grad_enabled(criterion.needs_backward):
-                    logits = base(input_ids=chunk, use_cache=False).logits
-                    if criterion.needs_backward:
+                if criterion.needs_backward:
+                    with torch.enable_grad():
+                        logits = base(input_ids=chunk, use_cache=False).logits
                         loss = calibration_loss(logits, chunk, criterion.loss)
                         if not torch.isfinite(loss):
                             raise FloatingPointError(f"calibration loss is {loss.item()} on batch {b}")
                         loss.backward()
-                del logits
+                    del logits
+                else:  # forward-only criteria read the layers' activations: the LM head's logits are not needed
+                    with torch.no_grad():
+                        base.get_decoder()(input_ids=chunk, use_cache=False)
                 criterion.num_samples += chunk.shape[0]
                 criterion.num_batches += 1
             _check_finite(criterion, b)
@@ -107,15 +111,21 @@ def run_calibration(
     criterion: Criterion,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     max_batches: int | None = None,
+    also: Sequence[Any] = (),
 ) -> UnitScores:
-    """Accumulate `criterion` over `batches` (input_ids tensors), sum across ranks, return unit scores."""
+    """Accumulate `criterion` over `batches` (input_ids tensors), sum across ranks, return unit scores. `also`:
+    collectors (`attach(model)`, `detach()`) that read the same forwards, e.g. an allocation's own statistics."""
     base = unwrap(model)
     criterion.attach(base)
     if criterion.needs_data:
+        for c in also:
+            c.attach(base)
         try:
             _calibrate(base, batches, criterion, max_batches)
         finally:
             criterion.detach()
+            for c in also:
+                c.detach()
         if criterion.num_samples == 0:
             raise ValueError("calibration saw no batches: the calibration dataset is empty")
     if reduce_sum is not None:

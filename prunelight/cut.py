@@ -150,7 +150,11 @@ def run_cut(model: nn.Module, batches: Sequence[torch.Tensor], run: RunPlan,
                        "memory; set prune.model_tuning.epochs: 0 to silence this")
             log.warning("model tuning skipped: %s", skipped)
             tune_model = False
-        dense = dense_hidden(model, calib) if tune_model else None  # the dense model's targets, before the cut
+        dense = None  # the dense model's targets, before the cut: recorded by the row's measurement, or measured
+        if tune_model:
+            recorded = getattr(measured, "dense_hidden", None)
+            dense = (recorded[:len(calib)] if recorded is not None and len(recorded) >= len(calib)
+                     else dense_hidden(model, calib))
         tuner = (LayerTuner(model, calib, settings.layer_tuning,
                             reduce_sum, plan.drop_layers)
                  if settings.reconstruct != "none" and settings.layer_tuning.epochs else None)

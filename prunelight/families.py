@@ -590,3 +590,12 @@ def get_family(model_or_config) -> ModelFamily:
     raise ValueError(
         f"unsupported architecture model_type={model_type!r}; prunelight supports: {', '.join(supported_model_types())}"
     )
+
+
+def linear_head(model: nn.Module) -> bool:
+    """Whether the logits are the float32 LM head's output itself (no soft cap): a KL from the dense model then keeps
+    hidden-size floats per token instead of the vocabulary's (the search's fitness, the model tuning)."""
+    base = unwrap(model)
+    head = base.get_output_embeddings()
+    return (get_family(base).logit_softcap(base.config) is None and isinstance(head, nn.Linear)
+            and head.weight.dtype == torch.float32)

@@ -68,8 +68,9 @@ def _change_stats(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[f
     base.eval()
     device = next(base.parameters()).device
     try:
+        decoder = base.get_decoder()  # the layers' inputs and outputs only: no logits
         for ids in progress(batches, "layer importance (block influence, activation change)"):
-            base(input_ids=ids.to(device), use_cache=False)
+            decoder(input_ids=ids.to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()

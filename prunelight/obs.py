@@ -72,10 +72,22 @@ def greedy_removal(weight: torch.Tensor, gram: torch.Tensor, columns: torch.Tens
     h.diagonal().add_(lam)
     hinv = _inverse(h)
     del h
+    if block == 1 and n_units == w.shape[1]:  # MLP channels: every input column is a unit
+        order, delta = _greedy_columns(w, hinv, columns[:, 0].to(dev), steps)
+    else:
+        order, delta = _greedy_blocks(w, hinv, columns.to(dev), steps)
+    return ObsResult(order, delta, w)
+
+
+def _greedy_blocks(w: torch.Tensor, hinv: torch.Tensor, columns: torch.Tensor, steps: int,
+                   ) -> tuple[list[int], list[float]]:
+    """`greedy_removal` for units of any block of columns, in place on `w` [out, d] (fp64) and `hinv`."""
+    n_units, block = columns.shape
+    dev = w.device
     # Work on the live columns only: `live` maps positions in (w_live, hinv) to original columns.
     live = torch.arange(w.shape[1], device=dev)
     w_live = w.clone()
-    pos = columns.to(dev).clone()  # [units, block] positions of each unit's columns in the live matrices
+    pos = columns.clone()  # [units, block] positions of each unit's columns in the live matrices
     alive = torch.ones(n_units, dtype=torch.bool, device=dev)
     order: list[int] = []
     delta: list[float] = []
@@ -117,8 +129,45 @@ def greedy_removal(weight: torch.Tensor, gram: torch.Tensor, columns: torch.Tens
             hinv = hinv[keep_pos][:, keep_pos]
             pos[keep_units] = remap[pos[keep_units]]
     w[:, live] = w_live
-    w[:, columns[~alive.cpu()].reshape(-1).to(dev)] = 0
-    return ObsResult(order, delta, w)
+    w[:, columns[~alive].reshape(-1)] = 0
+    return order, delta
+
+
+def _greedy_columns(w: torch.Tensor, hinv: torch.Tensor, column: torch.Tensor, steps: int,
+                    ) -> tuple[list[int], list[float]]:
+    """`greedy_removal` when every input column is one unit (MLP channels), in place on `w` [out, d] (fp64).
+
+    The same steps as the general path, about twice as fast (SmolLM2's 1536-channel MLP: 1.0 s instead of 2.0 s on
+    2 CPU cores): W is kept transposed, so a unit's column is a contiguous row and each step's column norms are one
+    contiguous reduction, and no candidate list is gathered."""
+    n_units = column.numel()
+    live = column.clone()  # live position -> original column
+    unit_of = torch.arange(n_units, device=w.device)  # live position -> unit
+    wt = w[:, column].T.contiguous()  # [live, out]
+    hinv = hinv[column][:, column]
+    dead = torch.zeros(n_units, dtype=torch.bool, device=w.device)  # live positions already removed
+    order: list[int] = []
+    delta: list[float] = []
+    for step in range(steps):
+        costs = torch.linalg.vector_norm(wt, dim=1).square_().div_(hinv.diagonal())
+        costs.masked_fill_(dead, float("inf"))
+        k = int(torch.argmin(costs))
+        row = hinv[k].clone()  # Hinv_s:
+        scale = 1.0 / float(row[k])
+        wt.addr_(row, wt[k].clone(), alpha=-scale)  # rank-one updates
+        hinv.addr_(row, row, alpha=-scale)
+        wt[k] = 0  # exactly zero, not the rounding residue
+        dead[k] = True
+        order.append(int(unit_of[k]))
+        delta.append(max(float(costs[k]), 0.0))
+        if (step + 1) % _COMPACT == 0 and step + 1 < steps:  # the removed rows go (they end as zero columns)
+            keep = (~dead).nonzero().squeeze(1)
+            live, unit_of, dead = live[keep], unit_of[keep], dead[keep]
+            wt = wt.index_select(0, keep)
+            hinv = hinv.index_select(0, keep).index_select(1, keep)
+    w[:, live] = wt.T
+    w[:, column[order]] = 0
+    return order, delta
 
 
 def order_scores(order: list[int], delta: list[float], n_units: int) -> torch.Tensor:

@@ -67,21 +67,24 @@ def make_plan(
         budget = precheck(zero3.shape_twin(model) if sharded else model, settings, shape)
     row = allocation_of(settings.allocation)
     batches = list(batches)  # read more than once: calibration, layer importance, the measured split
+    collected = None
     if saved is not None:
         check_scores_cover(saved, settings)
         scores, layer_measured, samples = saved.unit_scores, dict(saved.layer_importance), saved.samples
         block_scores = saved.block_importance if row.block_removal(settings) else None
         imp_batches: list[torch.Tensor] = []
     else:
+        # statistics the row's measurement reads, gathered by the scoring pass's forwards (e.g. a levels database's)
+        collected = row.collect(settings, state_dir) if row.collect is not None and not sharded else None
         scores, layer_measured, block_scores, samples, imp_batches = _score(model, batches, settings, reduce_sum,
-                                                                            sharded)
+                                                                            sharded, collected)
     layer_scores = layer_measured.get(settings.layer_importance) if row.layer_importance else None
 
     measured = None
     if row.measure is not None:  # saved or handed-in scores (prune.scores, a benchmark's) still leave the batches
         measured = row.measure(MeasureInputs(
             unwrap(model), imp_batches or _importance_batches(batches, settings), budget, scores, settings, shape,
-            settings.allocation_options, reduce_sum, state_dir, calibration=batches))
+            settings.allocation_options, reduce_sum, state_dir, calibration=batches, collected=collected))
     extras = dict(layer_scores=layer_scores, measured=measured)
     split = measure_split(model, budget, scores, settings, shape, extras, imp_batches, reduce_sum)
     plan = allocate(budget, scores, settings, block_scores=block_scores, attn_share=split.share, shape=shape,
@@ -137,15 +140,16 @@ def adopt_plan(model: nn.Module, plan: PrunePlan, source: str | None = None) -> 
 
 
 def _score(model: nn.Module, batches: list[torch.Tensor], settings: PruneSettings, reduce_sum: ReduceSum | None,
-           sharded: bool):
-    """The scoring pass: unit scores, layer importance measures, sub-block removal scores (when asked)."""
+           sharded: bool, collector: Any = None):
+    """The scoring pass: unit scores, layer importance measures, sub-block removal scores (when asked).
+    `collector`: attached to the scoring forwards as well (`run_calibration(also=...)`)."""
     row = allocation_of(settings.allocation)
     crit = build_criterion(settings.criterion, **settings.criterion_args)
     if sharded and not crit.needs_data:
         scores = zero3.gathered_scores(model, crit)
     else:
         scores = run_calibration(model, batches if crit.needs_data else [], crit, reduce_sum,
-                                 settings.max_calibration_batches)
+                                 settings.max_calibration_batches, also=[collector] if collector is not None else [])
     imp_batches = _importance_batches(batches, settings)
 
     # Report-only measures need calibration text (none for a weight-only plan made without batches).

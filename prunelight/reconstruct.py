@@ -136,18 +136,28 @@ def bias_fit(stats: FitStats, w_k: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 def least_squares_fit(stats: FitStats, w_k: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
     """W' = (C + λ W_K)(G + λI)⁻¹ with λ = ridge·mean(diag G); returns W' (fp32) and Σ||W' x_K - y||²."""
-    a = stats.gram.double()
-    mean_diag = float(a.diagonal().mean())
-    lam = ridge * mean_diag if mean_diag > 0 else ridge
-    a.diagonal().add_(lam)  # A = G + λI, in place: one fp64 copy of the kept² matrix
-    c, w = stats.cross.double(), w_k.double()
-    chol, info = torch.linalg.cholesky_ex(a)
-    if int(info) != 0:  # not positive definite even with damping (degenerate inputs): keep the cut weights
+    solved = ridge_solve(stats.gram, stats.cross, w_k, ridge)
+    if solved is None:  # not positive definite even with damping (degenerate inputs): keep the cut weights
         return w_k, float(stats.err0)
-    w_new = torch.cholesky_solve((c + lam * w).T, chol).T
+    w_new, a, c, lam = solved
     # Σ||W'x - y||² = tr(W' G W'ᵀ) - 2 tr(W' Cᵀ) + Σ||y||², with G = A - λI.
     err = float((w_new @ a * w_new).sum() - lam * w_new.square().sum() - 2 * (w_new * c).sum() + stats.yy)
     return w_new.float(), max(err, 0.0)
+
+
+def ridge_solve(gram: torch.Tensor, cross: torch.Tensor, w_k: torch.Tensor, ridge: float,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """The refit of `least_squares_fit` alone, in fp64: (W', A = G + λI, C, λ), or None when A is not positive
+    definite. Its error is not computed: the search's levels refit many times and never read it."""
+    a = gram.double()
+    mean_diag = float(a.diagonal().mean())
+    lam = ridge * mean_diag if mean_diag > 0 else ridge
+    a.diagonal().add_(lam)  # A = G + λI, in place: one fp64 copy of the kept² matrix
+    c, w = cross.double(), w_k.double()
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) != 0:
+        return None
+    return torch.cholesky_solve((c + lam * w).T, chol).T, a, c, lam
 
 
 # --- one output projection being repaired ---------------------------------------------------------

@@ -217,12 +217,15 @@ def test_every_criterion_drives_a_plan_that_meets_the_budget(name):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_forward_only_criteria_build_no_graph():
+def test_forward_only_criteria_build_no_graph_and_skip_the_lm_head():
     model = tiny_model("llama")
-    grad_modes = []
-    handle = model.lm_head.register_forward_hook(
+    grad_modes, head_calls = [], []
+    handle = model.model.norm.register_forward_hook(
         lambda m, i, out: grad_modes.append((torch.is_grad_enabled(), out.requires_grad))
     )
+    head = model.lm_head.register_forward_hook(lambda m, i, out: head_calls.append(1))
     run_calibration(model, [_ids()], build_criterion("wanda"))
     handle.remove()
+    head.remove()
     assert grad_modes == [(False, False)]
+    assert head_calls == []  # a forward-only criterion reads the layers: no logits are computed

@@ -23,7 +23,7 @@ from prunelight.allocation.search.space import LevelSpace, counts_of, finish, se
 from prunelight.importance import build_criterion
 from prunelight.reconstruct import cut_and_reconstruct
 from prunelight.settings import PruneSettings
-from prunelight.testing import settings_of, tiny_model
+from prunelight.testing import VARIANTS, settings_of, tiny_model
 
 
 def _batches(n: int = 4, seed: int = 3) -> list[torch.Tensor]:
@@ -539,7 +539,7 @@ def test_measure_and_allocate_meet_the_budget_through_the_row_functions(tmp_path
     opts = SearchOptions(generations=2, offspring=3, stages=(2, 4), survivors=(3, 1), mlp_levels=8)
     mi = SimpleNamespace(model=model, batches=_batches(), budget=budget, scores=scores, settings=settings,
                          shape=Shape.FREE, options=opts, reduce_sum=None, state_dir=tmp_path,
-                         calibration=_batches())
+                         calibration=_batches(), collected=None)
     measured = measure_search(mi)
     removal = allocate_search(SimpleNamespace(measured=measured))
     total = plan_params_removed(budget, build_plan(budget, removal.removed))
@@ -819,3 +819,106 @@ def test_with_cut_ridge_cv_the_cut_takes_the_restart_that_generalizes_best(monke
     assert res.levels == taken.levels and res.kl == taken.kl
     space = LevelSpace.of(budget, mlp_levels=16)
     assert removed == finish(space, res.levels, db)
+
+
+def test_the_model_tuning_takes_its_targets_from_the_databases_dense_pass(monkeypatch, tmp_path):
+    """The levels database's one dense pass also records the final hidden states the model tuning trains toward: they
+    are exactly `dense_hidden`'s, the cut runs no second dense pass for them, and a database read back from disk
+    (nothing recorded) makes the tuning measure its own."""
+    import prunelight
+    from prunelight import cut as cut_mod
+    from prunelight.model_tuning import dense_hidden
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    batches = _batches(4)
+    settings = PruneSettings(criterion="flap", allocation="search", ratio=0.2)
+    crit = build_criterion("magnitude")
+    lim = {k: make_budget(model, settings).limits(k) for k in ("attn", "mlp")}
+    db = build_database(model, batches, crit.scores(model), lim, "obs", settings.reconstruct_ridge)
+    for got, want in zip(db.dense_hidden, dense_hidden(model, batches), strict=True):
+        assert torch.equal(got, want)
+
+    calls = []
+    monkeypatch.setattr(cut_mod, "dense_hidden", lambda m, b: calls.append(len(b)) or dense_hidden(m, b))
+    args = {"generations": 1, "offspring": 2, "stages": [2], "survivors": [2], "mlp_levels": 8,
+            "state_dir": str(tmp_path)}
+    run = {"criterion": "flap", "allocation": "search", "ratio": 0.2, "allocation_args": args,
+           "model_tuning": {"epochs": 1, "holdout_sequences": 8}}
+    _, plan = prunelight.prune(tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64), run, batches)
+    assert calls == []  # the database was built here: its recorded states were the targets
+    _, again = prunelight.prune(tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64), run, batches)
+    assert calls == [len(batches)]  # read back from state_dir: the tuning ran its own dense pass
+    assert again.layers == plan.layers
+
+
+def test_the_scoring_pass_collects_the_databases_grams_so_the_search_runs_no_dense_pass_of_its_own(monkeypatch):
+    """`collect_search`: the scoring forwards also gather the levels database's Grams and hidden states, exactly what
+    the database's own pass gives, so a first run makes one dense pass fewer; a criterion that reads no data (or
+    another set of batches) leaves the database its own pass."""
+    import prunelight
+    from prunelight.allocation.search import levels as levels_mod
+    from prunelight.allocation.search.levels import DensePass, input_grams
+    from prunelight.calibration import run_calibration
+
+    model = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+    batches = _batches(4)
+    dense = DensePass()
+    run_calibration(model, batches, build_criterion("flap"), also=[dense])
+    grams, tokens, hidden = dense.result(batches)
+    alone_hidden: list[torch.Tensor] = []
+    alone, alone_tokens = input_grams(model, batches, hidden=alone_hidden)
+    assert tokens == alone_tokens == sum(b.numel() for b in batches)
+    for got, want in zip(grams, alone, strict=True):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, alone_hidden, strict=True))
+    assert dense.result(batches[:3]) is None  # other batches: not used
+
+    passes = []
+    real = levels_mod.input_grams
+    monkeypatch.setattr(levels_mod, "input_grams", lambda *a, **k: passes.append(1) or real(*a, **k))
+    args = {"generations": 1, "offspring": 2, "stages": [2], "survivors": [2], "mlp_levels": 8}
+    for criterion, own_pass in (("flap", 0), ("magnitude", 1)):
+        passes.clear()
+        fresh = tiny_model("llama", seed=0, num_hidden_layers=3, intermediate_size=64)
+        prunelight.prune(fresh, {"criterion": criterion, "allocation": "search", "ratio": 0.2,
+                                 "allocation_args": {**args, "cut_ridge": "fixed", "fitness_folds": 1}}, batches)
+        assert len(passes) == own_pass, criterion
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_fitness_runs_narrowed_mlps_with_the_kl_of_the_masked_model(variant):
+    """A candidate's MLPs run with only their kept channels (what the zero columns of the masked model would cancel;
+    a fused gate_up_proj keeps equal halves), attention masked: in every family its KL equals the KL, computed here
+    independently, of the dense model with the database's weights at those levels swapped in, and every weight is
+    back after the call."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from prunelight.families import get_family
+    from prunelight.reconstruct import output_proj
+
+    family, overrides = VARIANTS[variant]
+    model = tiny_model(family, seed=0, intermediate_size=64, **overrides)
+    settings = settings_of(0.2, reconstruct="least_squares")
+    budget = make_budget(model, settings)
+    lim = {k: budget.limits(k) for k in ("attn", "mlp")}
+    db = build_database(model, _batches(), build_criterion("random", seed=1).scores(model), lim, "criterion",
+                        settings.reconstruct_ridge)
+    rows = torch.cat(_batches())
+    levels = {"attn": [1, 0], "mlp": [8, 40]}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = KLFitness(model, db, rows)(levels, 8)
+    masked = copy.deepcopy(model)
+    fam = get_family(masked)
+    for i, layer in enumerate(fam.layers(masked)):
+        for kind in ("attn", "mlp"):
+            if levels[kind][i]:
+                output_proj(fam, layer, kind).weight.data = db.weight_at(kind, i, levels[kind][i]).clone()
+    with torch.no_grad():
+        p = F.log_softmax(model(input_ids=rows).logits[:, :-1].float(), -1)
+        q = F.log_softmax(masked(input_ids=rows).logits[:, :-1].float(), -1)
+    want = float((p.exp() * (p - q)).sum(-1).mean())
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-7) and want > 1e-6
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].shape == after[k].shape for k in before)

@@ -66,6 +66,7 @@ class MeasureInputs:
     # every calibration batch the run scored on; `batches` is its first `prune.importance_batches` (what probes
     # read). A measure that fits weights from statistics (search's levels database) reads all of them.
     calibration: list[torch.Tensor] | None = None
+    collected: Any = None  # what the row's `collect` gathered during the scoring pass (None: nothing)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,13 @@ class Allocation:
     """A KV-cache target removes the same number of GQA groups from every layer (else the lowest-scored anywhere)."""
     measure: Callable[[MeasureInputs], Any] | None = None
     """Run once after scoring, on the calibration batches, before allocating (also when the unit scores come from
-    a saved `prune.scores`); its answer reaches the functions as `AllocationInputs.measured`."""
+    a saved `prune.scores`); its answer reaches the functions as `AllocationInputs.measured`. An answer whose
+    `dense_hidden` is a list (the dense model's final hidden states on every calibration batch, recorded by a pass
+    it ran anyway) spares the model tuning its own dense pass."""
+    collect: Callable[[CutSettings, Path | None], Any] | None = None
+    """Statistics its `measure` reads, gathered during the scoring pass instead of a dense pass of its own: called
+    with the settings and the state folder before scoring, it returns a collector (`attach(model)`, `detach()`) or
+    None; the collector reaches the measure as `MeasureInputs.collected`."""
     record_as: str | None = None
     """The `plan.meta` key the measurement's `as_dict()` is recorded under (None: not recorded)."""
     options: type | None = None

@@ -20,7 +20,14 @@ from prunelight.allocation.calibrated import (
     measure_calibrated,
 )
 from prunelight.allocation.layerwise import LayerwiseOptions, allocate_layerwise, check_layerwise
-from prunelight.allocation.search import SearchOptions, allocate_search, check_search, cut_search, measure_search
+from prunelight.allocation.search import (
+    SearchOptions,
+    allocate_search,
+    check_search,
+    collect_search,
+    cut_search,
+    measure_search,
+)
 from prunelight.allocation.served import allocate_depth_served, allocate_served
 from prunelight.allocation.stock import allocate_uniform_shape
 from prunelight.allocation.structural import (
@@ -64,7 +71,8 @@ ROWS = (
     # Widths by the measured KL of whole candidates: a levels database and an evolutionary search (search.py);
     # under stock every uniform shape is measured, under nemotron_nas the search starts from the served layouts.
     Allocation("search", {Shape.FREE: allocate_search, Shape.UNIFORM: allocate_search, Shape.SERVED: allocate_search},
-               measure=measure_search, record_as="search", options=SearchOptions, cut=cut_search, zero3=False,
+               measure=measure_search, collect=collect_search, record_as="search", options=SearchOptions,
+               cut=cut_search, zero3=False,
                precheck=check_search),
 )
 

@@ -50,7 +50,16 @@ from prunelight.allocation.budget import Budget, Removed
 from prunelight.allocation.calibrated import calibrated_removal
 from prunelight.allocation.search.evolve import SearchResult, auto_generations, evolve, pick_best
 from prunelight.allocation.search.fitness import CrossFitKL, KLFitness, auto_fitness_folds, calibration_rows, linear_head
-from prunelight.allocation.search.levels import KINDS, Levels, LevelsDatabase, build_database, database_key, load_database, repair_for
+from prunelight.allocation.search.levels import (
+    KINDS,
+    DensePass,
+    Levels,
+    LevelsDatabase,
+    build_database,
+    database_key,
+    load_database,
+    repair_for,
+)
 from prunelight.allocation.search.options import SearchOptions
 from prunelight.allocation.search.repair import cut_with_levels
 from prunelight.allocation.search.ridge import cross_validate_ridge
@@ -88,13 +97,14 @@ def check_search(budget: Budget, settings, shape: Shape) -> None:
 def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget, scores, settings,
                options: SearchOptions, state_dir: Path | None = None, plans: dict[str, Removed] | None = None,
                db: LevelsDatabase | None = None, reduce_sum: ReduceSum | None = None, shape: Shape = Shape.FREE,
-               ) -> tuple[Removed, SearchResult, LevelsDatabase, dict[str, Any]]:
+               dense: DensePass | None = None) -> tuple[Removed, SearchResult, LevelsDatabase, dict[str, Any]]:
     """Levels database (built or loaded from `state_dir`), the search, and the final removal, with what the
     shape adds to plan.meta. Under DDP (`reduce_sum`) the Grams and every fitness are summed over ranks, so all
     ranks take the same steps.
 
     `shape`: FREE searches every sub-block's level; SERVED (export.format: nemotron_nas) starts from the served
-    layouts (one kept group count) and moves MLP levels only; UNIFORM (stock) measures every uniform shape."""
+    layouts (one kept group count) and moves MLP levels only; UNIFORM (stock) measures every uniform shape.
+    `dense`: the Grams and hidden states the scoring pass collected (`collect_search`), for a database built here."""
     space = LevelSpace.of(budget, options.mlp_levels, settings.align_channels, fixed_attn=shape is Shape.SERVED)
     t0 = time.perf_counter()
     repair = repair_for(options.order, settings.reconstruct)
@@ -105,7 +115,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
         db = load_database(path, model, key, repair) if path is not None else None
         if db is None:
             db = build_database(model, list(batches), scores, {k: budget.limits(k) for k in KINDS}, options.order,
-                                settings.reconstruct_ridge, settings.criterion, reduce_sum, repair, key)
+                                settings.reconstruct_ridge, settings.criterion, reduce_sum, repair, key, dense)
             if path is not None:
                 db.save(path)
     t_db = time.perf_counter() - t0
@@ -201,9 +211,24 @@ class SearchMeasured:
     extra: dict[str, Any] = field(default_factory=dict)  # what the shape adds to plan.meta (stock/served report)
     levels: LevelsDatabase | None = None
 
+    @property
+    def dense_hidden(self) -> list[torch.Tensor] | None:
+        """The dense model's final hidden states on every calibration batch, when this run built the database."""
+        return self.levels.dense_hidden if self.levels is not None else None
+
     def as_dict(self) -> dict[str, Any]:
         """plan.meta["search"]: KL reached and the seeds', trajectory, phase times, the levels chosen."""
         return self.result.as_dict()
+
+
+def collect_search(settings, state_dir: Path | None) -> DensePass | None:
+    """What the scoring pass collects for the search: the levels database's Grams and hidden states (`DensePass`),
+    unless a saved database in the state folder will likely be read back (its Grams would go unused)."""
+    options = settings.allocation_options if settings.allocation_options is not None else SearchOptions()
+    folder = Path(options.state_dir) if options.state_dir else state_dir
+    if folder is not None and (folder / f"levels_{options.order}.pt").is_file():
+        return None
+    return DensePass()
 
 
 def measure_search(inp: MeasureInputs) -> SearchMeasured:
@@ -218,7 +243,8 @@ def measure_search(inp: MeasureInputs) -> SearchMeasured:
     # The database's Grams and the KL sequences come from every calibration batch, not the probes' bounded share.
     batches = inp.calibration or inp.batches
     removed, result, db, extra = run_search(inp.model, batches, inp.budget, inp.scores, inp.settings, options,
-                                            state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape)
+                                            state_dir, plans=plans, reduce_sum=inp.reduce_sum, shape=inp.shape,
+                                            dense=inp.collected)
     result.times_s = {"calibrated_seed": seeding, **result.times_s}
     return SearchMeasured(removed, result, extra, db)
 

@@ -15,7 +15,7 @@ from prunelight.allocation.prefix import recorded_inputs, started_at
 from prunelight.allocation.search.levels import KINDS, Levels, LevelsDatabase, SubBlock, input_grams
 from prunelight.console import progress
 from prunelight.distributed import ReduceSum
-from prunelight.families import get_family, unwrap
+from prunelight.families import OwnedSlice, get_family, linear_head, unwrap
 from prunelight.memory import free_memory
 from prunelight.reconstruct import output_proj
 
@@ -43,7 +43,7 @@ class KLFitness:
 
     def __init__(self, model: nn.Module, db: LevelsDatabase, sequences: torch.Tensor, batch: int = 8,
                  reduce_sum: ReduceSum | None = None, top_k: int | None = None,
-                 prefix_entries: int | None = None) -> None:
+                 prefix_entries: int | None = None, hidden: Sequence[torch.Tensor] | None = None) -> None:
         self.base = unwrap(model)
         self.reduce_sum = reduce_sum  # under DDP: each rank scores its own sequences, the KL is their pooled mean
         self.family = get_family(self.base)
@@ -54,13 +54,18 @@ class KLFitness:
                       for i, layer in enumerate(self.family.layers(self.base)) for k in KINDS
                       if (k, i) in db.blocks}
         self.dense_w = {key: p.weight.data for key, p in self.projs.items()}
+        self.mlp_slices = self._mlp_slices()
         self.top_k = top_k
         self.n_layers = len(self.family.layers(self.base))
         self.decoder = self.base.get_decoder()
         self.head = self.family.logits_head(self.base)
         self.linear = top_k is None and linear_head(self.base)
+        # `hidden`: the dense decoder's last hidden states of each chunk of `batch` sequences, recorded by a pass
+        # that ran anyway (the fold's Grams); else one dense pass here
+        dtype = next(self.base.parameters()).dtype
         with torch.no_grad():
-            self.dense = [self._dense(self._hidden(chunk)) for chunk in torch.split(self.seqs, batch)]
+            self.dense = ([self._dense(h[:, :-1].to(self.device, dtype)) for h in hidden] if hidden is not None
+                          else [self._dense(self._hidden(chunk)) for chunk in torch.split(self.seqs, batch)])
         self.forwards = 0  # sequences run
         self.layers_run = 0  # decoder layers run, summed over sequences (forwards x layers without the prefixes)
         # Candidates scored on every sequence keep each decoder layer's input. Offspring differ from their parent
@@ -68,6 +73,39 @@ class KLFitness:
         # least KL (the search's parent) is never dropped; of the others the least recently used goes first.
         self.prefix_entries = prefix_entries if prefix_entries is not None else self._prefix_entries()
         self.kept: OrderedDict[tuple, tuple[float, list[list[torch.Tensor]]]] = OrderedDict()
+
+    def _mlp_slices(self) -> dict[int, list[tuple[nn.Module, str, int, list[OwnedSlice]]]]:
+        """Per layer with an MLP in the database, each MLP tensor the channels own: (module, "weight" / "bias",
+        axis, its owned slices in layout order: one, or gate then up in a fused gate_up_proj)."""
+        config = self.base.config
+        out: dict[int, list[tuple[nn.Module, str, int, list[OwnedSlice]]]] = {}
+        shapes = self.family.layer_shapes(self.base)
+        for i, layer in enumerate(self.family.layers(self.base)):
+            if ("mlp", i) not in self.db.blocks:
+                continue
+            mlp = self.family.sub_block(layer, "mlp")
+            by_tensor: dict[tuple[str, str], list[OwnedSlice]] = {}
+            for sl in self.family.unit_layout(config, shapes[i]):
+                if sl.kind == "mlp":
+                    by_tensor.setdefault((sl.module, sl.param_name), []).append(sl)
+            out[i] = [(getattr(mlp, name), param, sls[0].axis, sls) for (name, param), sls in by_tensor.items()]
+        return out
+
+    def _narrow_mlp(self, i: int, removed: int, down: torch.Tensor) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """Give layer i's MLP only the channels its level keeps (`down`: the level's full-width down_proj weight, the
+        removed columns zero): the candidate's forward then skips the removed channels' products, which the
+        zero columns would cancel anyway. Returns what to put back."""
+        keep = sorted(set(range(self.db.blocks[("mlp", i)].units)) - set(self.db.blocks[("mlp", i)].order[:removed]))
+        undo = []
+        for module, param, axis, sls in self.mlp_slices[i]:
+            t = getattr(module, param)
+            if t is None:
+                continue
+            idx = torch.cat([sl.indices(keep) for sl in sls]).to(t.device)
+            src = down if (axis == 1 and param == "weight") else t.data
+            undo.append((module, param, t.data))
+            t.data = src.index_select(axis if param == "weight" else 0, idx).to(t.dtype)
+        return undo
 
     def _prefix_entries(self) -> int:
         """PREFIX_ENTRIES when that many copies of every layer's input fit in PREFIX_MEMORY_SHARE of the free
@@ -154,11 +192,17 @@ class KLFitness:
         start, source = self._start(key) if self.prefix_entries else (0, None)
         keep = self.prefix_entries > 0 and n >= self.seqs.shape[0]
         record_from = start if keep else self.n_layers  # the layers whose inputs this run adds to the kept ones
+        narrowed: list[tuple[nn.Module, str, torch.Tensor]] = []
         try:
             for (kind, i), proj in self.projs.items():
                 r = levels[kind][i]
-                if r:
-                    proj.weight.data = self.db.weight_at(kind, i, r).to(proj.weight.dtype)
+                if not r:
+                    continue
+                w = self.db.weight_at(kind, i, r)
+                if kind == "mlp" and r < self.db.blocks[(kind, i)].units:
+                    narrowed += self._narrow_mlp(i, r, w)
+                else:
+                    proj.weight.data = w.to(proj.weight.dtype)
             total, tokens = 0.0, 0
             with started_at(self.base, start) as stand, recorded_inputs(self.base, record_from) as inputs:
                 for b, chunk in enumerate(torch.split(self.seqs[:n], self.batch)):
@@ -183,20 +227,11 @@ class KLFitness:
                 self._keep(key, kl, [source[i] if i < start else inputs[i] for i in range(self.n_layers)])
             return kl
         finally:
+            for module, param, t in narrowed:
+                getattr(module, param).data = t
             for key_, proj in self.projs.items():
                 proj.weight.data = self.dense_w[key_]
             self.base.train(was)
-
-
-def linear_head(model: nn.Module) -> bool:
-    """Whether the logits are the float32 LM head's output itself (no soft cap): the fitness's exact KL then keeps
-    hidden-size floats per token instead of the vocabulary's (`KLFitness._linear_kl`)."""
-    base = unwrap(model)
-    head = base.get_output_embeddings()
-    return (get_family(base).logit_softcap(base.config) is None and isinstance(head, nn.Linear)
-            and head.weight.dtype == torch.float32)
-
-
 
 
 def auto_fitness_folds(db: LevelsDatabase, sequences: int, reduce_sum: ReduceSum | None = None) -> int:
@@ -216,9 +251,11 @@ def auto_fitness_folds(db: LevelsDatabase, sequences: int, reduce_sum: ReduceSum
 
 
 def without_sequences(model: nn.Module, db: LevelsDatabase, rows: torch.Tensor, batch: int,
-                      reduce_sum: ReduceSum | None = None) -> LevelsDatabase:
-    """The database refitted without `rows`: the same orders, each Gram less those sequences' (summed over ranks)."""
-    grams, tokens = input_grams(model, list(rows.split(max(batch, 1))), reduce_sum)
+                      reduce_sum: ReduceSum | None = None, hidden: list[torch.Tensor] | None = None,
+                      ) -> LevelsDatabase:
+    """The database refitted without `rows`: the same orders, each Gram less those sequences' (summed over ranks).
+    `hidden`: a list that receives the dense final hidden states of each chunk of `batch` rows (`input_grams`)."""
+    grams, tokens = input_grams(model, list(rows.split(max(batch, 1))), reduce_sum, hidden)
     blocks = {}
     for (kind, i), b in db.blocks.items():
         g = grams[i][kind].to(b.gram.device)
@@ -239,8 +276,16 @@ class CrossFitKL:
                  reduce_sum: ReduceSum | None = None, top_k: int | None = None) -> None:
         parts = [p for p in torch.tensor_split(sequences, min(folds, sequences.shape[0])) if p.shape[0]]
         self.sizes = [p.shape[0] for p in parts]
-        self.parts = [KLFitness(model, without_sequences(model, db, p, batch, reduce_sum), p, reduce_sum=reduce_sum,
-                                top_k=top_k) for p in progress(parts, "search fitness folds", unit="fold")]
+        self.parts = [self._fold(model, db, p, batch, reduce_sum, top_k)
+                      for p in progress(parts, "search fitness folds", unit="fold")]
+
+    @staticmethod
+    def _fold(model: nn.Module, db: LevelsDatabase, part: torch.Tensor, batch: int, reduce_sum: ReduceSum | None,
+              top_k: int | None) -> KLFitness:
+        """One fold's fitness: its Grams and its dense hidden states from one dense pass over its sequences."""
+        hidden: list[torch.Tensor] = []
+        refit = without_sequences(model, db, part, batch, reduce_sum, hidden)
+        return KLFitness(model, refit, part, batch=max(batch, 1), reduce_sum=reduce_sum, top_k=top_k, hidden=hidden)
 
     @property
     def forwards(self) -> int:

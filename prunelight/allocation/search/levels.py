@@ -47,7 +47,7 @@ from prunelight.importance.base import UnitScores
 from prunelight.importance.obs import ObsCriterion, unit_columns
 from prunelight.obs import damping, greedy_removal
 from prunelight.distributed import ReduceSum
-from prunelight.reconstruct import FitStats, least_squares_fit, output_proj
+from prunelight.reconstruct import FitStats, output_proj, ridge_solve
 
 ORDERS = ("criterion", "obs", "obs_kfac")
 # obs_kfac's output metric: the Fisher of each sub-block's output, normalized to mean diagonal 1, plus this times
@@ -58,27 +58,77 @@ KINDS = ("attn", "mlp")
 Levels = dict[str, list[int]]  # kind -> per layer, removed units (attn: groups; mlp: channels, a multiple of step)
 
 
+class DensePass:
+    """What the levels database reads from a dense pass over the calibration batches: per layer the Gram of the
+    o_proj / down_proj inputs, the tokens, and each forward's final hidden states (the LM head's inputs, float32, on
+    the host: the model tuning's targets). Attached to the scoring pass (`collect_dense_pass`), it spares the
+    database a dense pass of its own; `input_grams` runs it alone."""
+
+    def __init__(self) -> None:
+        self.grams = ObsCriterion()
+        self.hidden: list[torch.Tensor] = []
+        self._hook = None
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook the output projections' inputs and the final norm's output."""
+        base = unwrap(model)
+        self.grams.attach(base)
+        self._hook = get_family(base).final_norm(base).register_forward_hook(
+            lambda _m, _i, out: self.hidden.append(out.detach().float().cpu()))
+
+    def detach(self) -> None:
+        """Remove the hooks (the sums are kept)."""
+        self.grams.detach()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def result(self, batches: list[torch.Tensor], reduce_sum: ReduceSum | None = None,
+               ) -> tuple[list[dict[str, torch.Tensor]], int, list[torch.Tensor]] | None:
+        """(Grams, tokens, hidden states per batch) summed over ranks, when the pass read exactly `batches` (their
+        tokens, in order, whatever the micro-batches), else None."""
+        rows = [int(b.shape[0]) for b in batches]
+        seen = getattr(self.grams, "tokens", None)  # None: never attached (a criterion that reads no data)
+        if (seen is None or int(seen) != sum(b.numel() for b in batches)
+                or sum(h.shape[0] for h in self.hidden) != sum(rows)):
+            return None
+        hidden, chunks = [], iter(self.hidden)
+        for n in rows:  # the forwards' chunks, regrouped into the batches
+            parts = []
+            while sum(p.shape[0] for p in parts) < n:
+                parts.append(next(chunks))
+            hidden.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        if any(h.shape[0] != n for h, n in zip(hidden, rows)):
+            return None
+        grams, tokens = self.grams.grams, int(self.grams.tokens)
+        if reduce_sum is not None:
+            grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
+            tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
+        return grams, tokens, hidden
+
+
 def input_grams(model: nn.Module, batches: list[torch.Tensor], reduce_sum: ReduceSum | None = None,
-                ) -> tuple[list[dict[str, torch.Tensor]], int]:
+                hidden: list[torch.Tensor] | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Per layer, the Gram of the o_proj / down_proj inputs over `batches` of the dense model, and the tokens
-    (both summed over ranks with `reduce_sum`)."""
+    (both summed over ranks with `reduce_sum`), from one pass of the decoder (no logits). `hidden`: a list to
+    extend with each batch's final hidden states (`DensePass`)."""
     base = unwrap(model)
-    crit = ObsCriterion()
-    crit.attach(base)
+    dense = DensePass()
+    dense.attach(base)
     device = next(base.parameters()).device
     was_training = base.training
     base.eval()
+    decoder = base.get_decoder()  # the LM head's logits are not needed: a fifth of SmolLM2's forward
     try:
         with torch.no_grad():
             for ids in batches:
-                base(input_ids=ids.to(device), use_cache=False)
+                decoder(input_ids=ids.to(device), use_cache=False)
     finally:
-        crit.detach()
+        dense.detach()
         base.train(was_training)
-    grams, tokens = crit.grams, int(crit.tokens)
-    if reduce_sum is not None:
-        grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
-        tokens = int(reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64))[0])
+    grams, tokens, states = dense.result(list(batches), reduce_sum)
+    if hidden is not None:
+        hidden.extend(states)
     return grams, tokens
 
 
@@ -219,6 +269,9 @@ class LevelsDatabase:
     repair: str = "least_squares"  # the `prune.reconstruct` whose weights it holds (`repair_for`)
     cache_bytes: int = 1 << 29  # derived weights kept (least recently used first out)
     build_s: float = 0.0
+    # the dense model's final hidden states on each batch the database was built from (None when it was loaded;
+    # not saved): the model tuning's targets without another dense pass
+    dense_hidden: list[torch.Tensor] | None = field(default=None, repr=False)
     ridge_validated: bool = False  # the ridge was chosen by cross-validation (search's cut_ridge: cv), not the run's
     _cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
 
@@ -252,16 +305,19 @@ class LevelsDatabase:
         return out
 
     def _refit(self, b: SubBlock, cols: torch.Tensor) -> torch.Tensor:
-        stats = stats_from_gram(b.weight, b.gram, cols, self.tokens, b.wg)
+        # `stats_from_gram`'s G_KK and C = (W G)_:K, as the fit reads them (fp32), without the errors: the damped
+        # refit never raises the error (anchored at W_K), so the cut's check of it would only ever keep W'
+        gram = b.gram.index_select(0, cols).index_select(1, cols)
+        cross = b.wg.index_select(1, cols).float()
         w_k = b.weight[:, cols]
         if self.repair == "obs":  # OBS's final update: the damping of the full Gram (reconstruct: obs)
             lam = damping(b.gram, self.ridge)
-            mean_k = float(stats.gram.diagonal().double().mean())
+            mean_k = float(gram.diagonal().double().mean())
             ridge = lam / mean_k if mean_k > 0 else self.ridge
         else:
             ridge = self.ridge
-        w_new, after = least_squares_fit(stats, w_k, ridge)
-        return w_new if after <= float(stats.err0) else w_k
+        solved = ridge_solve(gram, cross, w_k, ridge)
+        return w_k if solved is None else solved[0].float()
 
     def save(self, path: Path) -> None:
         """Write the database (orders, Grams, dense weights are not stored: they are the model's)."""
@@ -320,10 +376,11 @@ def _dense_blocks(model: nn.Module, grams: list[dict[str, torch.Tensor]]):
 def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitScores, limits: dict[str, list[int]],
                    order: str = "criterion", ridge: float = 1e-2, criterion: str = "",
                    reduce_sum: ReduceSum | None = None, repair: str = "least_squares",
-                   key: dict[str, Any] | None = None) -> LevelsDatabase:
+                   key: dict[str, Any] | None = None, dense: DensePass | None = None) -> LevelsDatabase:
     """Grams from one dense pass (summed over ranks with `reduce_sum`, so every rank holds the same database), then
     each sub-block's removal order up to `limits[kind][layer]` units. `key`: its `database_key`, when the caller
-    has it already (computed here otherwise)."""
+    has it already (computed here otherwise). `dense`: a `DensePass` another pass collected (the scoring pass's),
+    used when it read exactly `batches` (else the database runs its own)."""
     import time
 
     if order not in ORDERS:
@@ -332,7 +389,12 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
         raise ValueError(f"levels repair={repair!r} is not allowed with order {order!r}: use least_squares, or obs "
                          "with order obs")
     t0 = time.perf_counter()
-    grams, tokens = input_grams(model, batches, reduce_sum)
+    collected = dense.result(batches, reduce_sum) if dense is not None else None
+    if collected is not None:
+        grams, tokens, hidden = collected
+    else:
+        hidden = []
+        grams, tokens = input_grams(model, batches, reduce_sum, hidden)
     fishers = output_fishers(model, batches, reduce_sum) if order == "obs_kfac" else None
     blocks = {}
     for kind, i, cols, w in _dense_blocks(model, grams):
@@ -348,7 +410,7 @@ def build_database(model: nn.Module, batches: list[torch.Tensor], scores: UnitSc
         blocks[(kind, i)] = SubBlock(list(seq), cols, g, w)
     if key is None:
         key = database_key(model, batches, criterion, order, ridge, reduce_sum)
-    db = LevelsDatabase(blocks, order, ridge, tokens, key, repair=repair)
+    db = LevelsDatabase(blocks, order, ridge, tokens, key, repair=repair, dense_hidden=hidden)
     db.build_s = time.perf_counter() - t0
     return db
 

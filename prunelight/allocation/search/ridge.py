@@ -49,8 +49,10 @@ def cross_validate_ridge(model: nn.Module, db: LevelsDatabase, batches: Sequence
                     "prune.reconstruct_ridge=%s", db.ridge)
         return db, {"chosen_by": "fixed (fewer than 4 calibration sequences)", "ridge": db.ridge}
     held = rows[-h:]
-    fit = without_sequences(model, db, held, int(batches[0].shape[0]), reduce_sum)
-    fitness = KLFitness(model, fit, held, reduce_sum=reduce_sum, top_k=top_k)
+    batch = max(int(batches[0].shape[0]), 1)
+    hidden: list[torch.Tensor] = []  # the held-out sequences' dense hidden states, from the Grams' pass
+    fit = without_sequences(model, db, held, batch, reduce_sum, hidden)
+    fitness = KLFitness(model, fit, held, batch=batch, reduce_sum=reduce_sum, top_k=top_k, hidden=hidden)
     kl: dict[float, float] = {}
 
     def measure(r: float) -> None:
