@@ -599,3 +599,11 @@ def linear_head(model: nn.Module) -> bool:
     head = base.get_output_embeddings()
     return (get_family(base).logit_softcap(base.config) is None and isinstance(head, nn.Linear)
             and head.weight.dtype == torch.float32)
+
+
+def linear_dense_side(head: LogitsHead, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a KL from the dense model keeps of its next-token distribution p through a linear head z = W h + b
+    (`linear_head`): per position h, logsumexp(z) and Wᵀp; then KL(p || q) = lse(z_q) - lse(z) - (h_q - h) · Wᵀp."""
+    logits = head(hidden).float()  # fp32: bf16 log-probabilities alone put ~2e-4 nats between the model and itself
+    lse = torch.logsumexp(logits, dim=-1)
+    return hidden, lse, (logits - lse.unsqueeze(-1)).exp_() @ head.head.weight

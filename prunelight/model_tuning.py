@@ -41,7 +41,7 @@ from torch import nn
 
 from prunelight.console import progress
 from prunelight.distributed import ReduceSum, split_holdout, sum_gradients, sum_over_ranks
-from prunelight.families import get_family, linear_head, unwrap
+from prunelight.families import get_family, linear_dense_side, linear_head, unwrap
 from prunelight.memory import free_memory
 from prunelight.settings import ModelTuning
 
@@ -129,14 +129,7 @@ class ModelTuner:
         taken at every step)."""
         if not linear_head(self.base):
             return None
-        w = self.base.get_output_embeddings().weight
-        out = []
-        for t in self.targets:
-            h = t.to(self.device).float()
-            logits = self.head(h).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            out.append((h, lse, (logits - lse.unsqueeze(-1)).exp_() @ w))
-        return out
+        return [linear_dense_side(self.head, t.to(self.device).float()) for t in self.targets]
 
     def _kl(self, b: int) -> tuple[torch.Tensor, int]:
         """Σ over positions of KL(dense || cut) on batch `b`, and the number of positions."""

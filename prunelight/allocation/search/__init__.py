@@ -109,7 +109,7 @@ def run_search(model: nn.Module, batches: Sequence[torch.Tensor], budget: Budget
     t0 = time.perf_counter()
     repair = repair_for(options.order, settings.reconstruct)
     if db is None:
-        path = state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
+        path = levels_path(options, state_dir)
         key = database_key(model, list(batches), settings.criterion, options.order, settings.reconstruct_ridge,
                            reduce_sum)
         db = load_database(path, model, key, repair) if path is not None else None
@@ -221,20 +221,28 @@ class SearchMeasured:
         return self.result.as_dict()
 
 
+def levels_path(options: SearchOptions, state_dir: Path | None) -> Path | None:
+    """Where the levels database is saved and read back: `state_dir/levels_<order>.pt` (None: no state folder)."""
+    return state_dir / f"levels_{options.order}.pt" if state_dir is not None else None
+
+
+def search_state_dir(options: SearchOptions, state_dir: Path | None) -> Path | None:
+    """The search's state folder: `allocation_args.state_dir`, else the run's."""
+    return Path(options.state_dir) if options.state_dir else state_dir
+
+
 def collect_search(settings, state_dir: Path | None) -> DensePass | None:
     """What the scoring pass collects for the search: the levels database's Grams and hidden states (`DensePass`),
     unless a saved database in the state folder will likely be read back (its Grams would go unused)."""
     options = settings.allocation_options if settings.allocation_options is not None else SearchOptions()
-    folder = Path(options.state_dir) if options.state_dir else state_dir
-    if folder is not None and (folder / f"levels_{options.order}.pt").is_file():
-        return None
-    return DensePass()
+    path = levels_path(options, search_state_dir(options, state_dir))
+    return None if path is not None and path.is_file() else DensePass()
 
 
 def measure_search(inp: MeasureInputs) -> SearchMeasured:
     """The row's measurement: the levels database and the search on the calibration batches."""
     options = inp.options if inp.options is not None else SearchOptions()
-    state_dir = Path(options.state_dir) if options.state_dir else inp.state_dir
+    state_dir = search_state_dir(options, inp.state_dir)
     plans = options.seed_plans()
     t0 = time.perf_counter()
     if options.seed_calibrated and "calibrated" not in plans and inp.shape is not Shape.UNIFORM:

@@ -15,7 +15,7 @@ from prunelight.allocation.prefix import recorded_inputs, started_at
 from prunelight.allocation.search.levels import KINDS, Levels, LevelsDatabase, SubBlock, input_grams
 from prunelight.console import progress
 from prunelight.distributed import ReduceSum
-from prunelight.families import OwnedSlice, get_family, linear_head, unwrap
+from prunelight.families import OwnedSlice, get_family, linear_dense_side, linear_head, unwrap
 from prunelight.memory import free_memory
 from prunelight.reconstruct import output_proj
 
@@ -55,6 +55,7 @@ class KLFitness:
                       if (k, i) in db.blocks}
         self.dense_w = {key: p.weight.data for key, p in self.projs.items()}
         self.mlp_slices = self._mlp_slices()
+        self._kept_index: dict[tuple[int, int], list[torch.Tensor]] = {}  # (layer, MLP level) -> per tensor
         self.top_k = top_k
         self.n_layers = len(self.family.layers(self.base))
         self.decoder = self.base.get_decoder()
@@ -95,13 +96,17 @@ class KLFitness:
         """Give layer i's MLP only the channels its level keeps (`down`: the level's full-width down_proj weight, the
         removed columns zero): the candidate's forward then skips the removed channels' products, which the
         zero columns would cancel anyway. Returns what to put back."""
-        keep = sorted(set(range(self.db.blocks[("mlp", i)].units)) - set(self.db.blocks[("mlp", i)].order[:removed]))
+        key = (i, removed)
+        if key not in self._kept_index:  # a level's indices, built once (candidates share most levels)
+            block = self.db.blocks[("mlp", i)]
+            keep = sorted(set(range(block.units)) - set(block.order[:removed]))
+            self._kept_index[key] = [torch.cat([sl.indices(keep) for sl in sls]).to(self.device)
+                                     for _, _, _, sls in self.mlp_slices[i]]
         undo = []
-        for module, param, axis, sls in self.mlp_slices[i]:
+        for (module, param, axis, _), idx in zip(self.mlp_slices[i], self._kept_index[key]):
             t = getattr(module, param)
             if t is None:
                 continue
-            idx = torch.cat([sl.indices(keep) for sl in sls]).to(t.device)
             src = down if (axis == 1 and param == "weight") else t.data
             undo.append((module, param, t.data))
             t.data = src.index_select(axis if param == "weight" else 0, idx).to(t.dtype)
@@ -123,13 +128,10 @@ class KLFitness:
         """What is kept of the dense next-token distributions of one batch: with a linear head, per position the
         hidden state h, logsumexp(z) and W^T p; else all log-probabilities (indices None) or the top k and their
         indices."""
-        # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
-        logits = self.head(hidden).float()
         if self.linear:
-            lse = torch.logsumexp(logits, dim=-1)
-            p = (logits - lse.unsqueeze(-1)).exp_()
-            return hidden, lse, p @ self.base.get_output_embeddings().weight
-        logp = F.log_softmax(logits, dim=-1)
+            return linear_dense_side(self.head, hidden)
+        # fp32: bf16 log-probabilities alone put ~2e-4 nats of KL between the dense model and itself.
+        logp = F.log_softmax(self.head(hidden).float(), dim=-1)
         if self.top_k is None or self.top_k >= logp.shape[-1]:
             return logp, None
         return logp.topk(self.top_k, dim=-1)

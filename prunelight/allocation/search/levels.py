@@ -92,14 +92,9 @@ class DensePass:
         if (seen is None or int(seen) != sum(b.numel() for b in batches)
                 or sum(h.shape[0] for h in self.hidden) != sum(rows)):
             return None
-        hidden, chunks = [], iter(self.hidden)
-        for n in rows:  # the forwards' chunks, regrouped into the batches
-            parts = []
-            while sum(p.shape[0] for p in parts) < n:
-                parts.append(next(chunks))
-            hidden.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-        if any(h.shape[0] != n for h, n in zip(hidden, rows)):
-            return None
+        # the forwards' chunks, regrouped into the batches (a copy only where a batch ran in micro-batches)
+        hidden = (list(self.hidden) if [h.shape[0] for h in self.hidden] == rows
+                  else list(torch.cat(self.hidden).split(rows)))
         grams, tokens = self.grams.grams, int(self.grams.tokens)
         if reduce_sum is not None:
             grams = [{k: reduce_sum(g) for k, g in layer.items()} for layer in grams]
